@@ -1,0 +1,3 @@
+from batchgen.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Engine configuration: one frozen dataclass, validated with errors that name the bad key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Built by ``LLM(...)`` from its keyword arguments.
+
+    ``num_kv_blocks`` pins the KV pool size (tests use tiny pools); when None the pool is sized
+    from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (CUDA).
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``.
+    ``max_num_batched_tokens`` is the token budget of one step; longer prompts are prefilled in chunks.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(key: str, rule: str) -> ValueError:
+            return ValueError(f"engine setting {key} must be {rule}, got {getattr(self, key)!r}")
+
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise bad("dtype", "one of auto, float32, float16, bfloat16")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise bad("device", "one of auto, cpu, cuda, cuda:N")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise bad("block_size", "one of 8, 16, 32, 64, 128")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise bad(key, "an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise bad("max_model_len", "an integer >= 1 or None")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise bad("num_kv_blocks", "an integer >= 2 or None")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.kv_cache_memory_gb <= 0:
+            raise bad("kv_cache_memory_gb", "> 0")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise bad("attention_backend", "one of auto, torch, triton")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise ValueError(f"unknown engine setting {key!r}; allowed: {', '.join(sorted(names - {'model'}))}")
+        return cls(model=model, **kwargs)

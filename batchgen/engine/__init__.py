@@ -1,0 +1,1 @@
+"""The paged engine: sequences, block manager, scheduler (pure Python), sampler, beam search, engine loop."""

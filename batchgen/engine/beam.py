@@ -1,0 +1,199 @@
+"""Beam search inside the engine, step for step the algorithm of transformers
+``generate(num_beams=k, do_sample=False)`` (its ``_beam_search``), vectorized over every beam group
+of the batch that has the same width and number of end tokens.
+
+Per step and group: accumulated scores of all ``k x vocab`` continuations, the top
+``max(2, 1 + n_eos) * k`` of them; those that end (an end token, or the length limit) may enter the
+group's ``k`` finished hypotheses with score ``logprob_sum / generated_len ** length_penalty``; the
+best ``k`` that do not end become the next running beams. The engine then forks the chosen parents
+(sharing KV blocks copy-on-write) and frees the dropped ones. The early-stopping rules (True, False,
+"never") and the final ranking are transformers'. The first step starts from one prompt sequence
+standing for all ``k`` beams, as transformers does with scores ``[0, -1e9, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.sequence import Sequence
+from batchgen.params import BeamSearchParams
+
+NEG = -1.0e9
+
+
+@dataclass
+class Hypothesis:
+    token_ids: list[int]  # generated tokens, the end token included
+    score: float
+    logprob_sum: float
+    ended_by_token: bool
+
+
+@dataclass
+class BeamState:
+    params: BeamSearchParams
+    end_ids: list[int]
+    prompt_len: int
+    max_length: int
+    cur_len: int
+    beams: list[Sequence]  # running beams in score order (the prompt sequence k times at first)
+    running_scores: torch.Tensor  # [k] summed log-probs
+    finished_scores: torch.Tensor  # [k]
+    is_finished: torch.Tensor  # [k] bool
+    early_stop_unsatisfied: torch.Tensor  # [1] bool
+    finished: list[Hypothesis | None] = field(default_factory=list)
+    done: bool = False
+
+    @classmethod
+    def start(cls, params: BeamSearchParams, prompt_seq: Sequence, end_ids: list[int], max_length: int) -> BeamState:
+        k = params.beam_width
+        running = torch.zeros(k)
+        running[1:] = NEG
+        return cls(
+            params=params, end_ids=end_ids, prompt_len=prompt_seq.num_prompt_tokens, max_length=max_length,
+            cur_len=prompt_seq.num_prompt_tokens, beams=[prompt_seq] * k, running_scores=running,
+            finished_scores=torch.full((k,), NEG), is_finished=torch.zeros(k, dtype=torch.bool),
+            early_stop_unsatisfied=torch.ones(1, dtype=torch.bool), finished=[None] * k,
+        )
+
+    @property
+    def group_key(self) -> tuple[int, int]:
+        return (self.params.beam_width, len(self.end_ids))
+
+
+def _mask_end_tokens(states: list[BeamState], log_probs: torch.Tensor, k: int) -> torch.Tensor:
+    """transformers' ``min_new_tokens`` processor: end tokens get -inf while too few tokens exist."""
+    log_probs = log_probs.clone()
+    for g, st in enumerate(states):
+        if st.cur_len - st.prompt_len < st.params.min_tokens and st.end_ids:
+            log_probs[g * k : (g + 1) * k, torch.tensor(st.end_ids)] = float("-inf")
+    return log_probs
+
+
+@dataclass
+class BeamChoice:
+    """The new running beams of one group: beam i continues ``parents[i]`` with ``tokens[i]``."""
+
+    parents: list[Sequence]
+    tokens: list[int]
+    scores: list[float]
+
+
+def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoice]:
+    """One step for groups of equal (width, number of end tokens).
+
+    ``log_probs``: [len(states) * k, vocab] float32 ``log_softmax`` rows, row ``g*k + i`` for beam
+    i of group g. Updates every state in place and returns the running beams chosen per group.
+    """
+    if states[0].params.beam_width == 1:
+        return _greedy_step(states, log_probs)
+    g_count = len(states)
+    k = states[0].params.beam_width
+    n_end = len(states[0].end_ids)
+    vocab = log_probs.shape[-1]
+    keep = max(2, 1 + n_end) * k
+    top_k_mask = torch.cat((torch.ones(k, dtype=torch.bool), torch.zeros(keep - k, dtype=torch.bool)))
+
+    log_probs = _mask_end_tokens(states, log_probs, k)
+    running = torch.stack([st.running_scores for st in states])
+    acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
+
+    topk_log_probs, topk_idx = torch.topk(acc, k=keep)
+    topk_beam = topk_idx // vocab
+    topk_ids = topk_idx % vocab
+
+    hits = torch.zeros((g_count, keep), dtype=torch.bool)
+    for g, st in enumerate(states):
+        if st.cur_len + 1 >= st.max_length:
+            hits[g] = True
+        elif st.end_ids:
+            hits[g] = torch.isin(topk_ids[g], torch.tensor(st.end_ids))
+
+    # e. next running beams: the best k continuations that did not end
+    topk_running = topk_log_probs + hits.to(torch.float32) * NEG
+    next_idx = torch.topk(topk_running, k=k)[1]
+    next_scores = topk_running.gather(1, next_idx)
+
+    # f. finished hypotheses
+    finished_scores = torch.stack([st.finished_scores for st in states])
+    is_finished = torch.stack([st.is_finished for st in states])
+    unsatisfied = torch.stack([st.early_stop_unsatisfied for st in states])
+    just_finished = hits & top_k_mask[None, :]
+    cand = torch.empty_like(topk_log_probs)
+    for g, st in enumerate(states):
+        cand[g] = topk_log_probs[g] / ((st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty)
+    full = torch.all(is_finished, dim=-1, keepdim=True) & torch.tensor(
+        [[st.params.early_stopping is True] for st in states])
+    cand += full.to(torch.float32) * NEG
+    cand += (~unsatisfied).to(torch.float32) * NEG
+    cand += (~just_finished) * NEG
+    merged_scores = torch.cat((finished_scores, cand), dim=1)
+    merged_finished = torch.cat((is_finished, just_finished), dim=1)
+    merged_idx = torch.topk(merged_scores, k=k)[1]
+    new_finished_scores = merged_scores.gather(1, merged_idx)
+    new_is_finished = merged_finished.gather(1, merged_idx)
+
+    choices = []
+    idx_rows, beam_rows, id_rows = merged_idx.tolist(), topk_beam.tolist(), topk_ids.tolist()
+    lp_rows, next_rows, score_rows = topk_log_probs.tolist(), next_idx.tolist(), next_scores.tolist()
+    for g, st in enumerate(states):
+        old = st.finished
+        new: list[Hypothesis | None] = []
+        for j in idx_rows[g]:
+            if j < k:
+                new.append(old[j])
+            else:
+                c = j - k
+                parent = st.beams[beam_rows[g][c]]
+                tok = id_rows[g][c]
+                new.append(Hypothesis(parent.output_token_ids + [tok], float(new_finished_scores[g, len(new)]),
+                                      lp_rows[g][c], tok in st.end_ids))
+        st.finished = new
+        st.finished_scores = new_finished_scores[g].clone()
+        st.is_finished = new_is_finished[g].clone()
+        choices.append(BeamChoice(
+            parents=[st.beams[beam_rows[g][c]] for c in next_rows[g]],
+            tokens=[id_rows[g][c] for c in next_rows[g]],
+            scores=score_rows[g],
+        ))
+        st.running_scores = next_scores[g].clone()
+
+        # g. stopping rule of the whole group
+        st.cur_len += 1
+        p = st.params
+        if p.early_stopping == "never" and p.length_penalty > 0.0:
+            best_len = st.max_length - st.prompt_len
+        else:
+            best_len = st.cur_len - st.prompt_len
+        best_possible = st.running_scores[:1] / (best_len**p.length_penalty)
+        worst = torch.where(st.is_finished, torch.min(st.finished_scores), NEG)
+        st.early_stop_unsatisfied = st.early_stop_unsatisfied & torch.any(best_possible > worst)
+        improvement = bool(st.early_stop_unsatisfied.any())
+        open_beam = not (bool(st.is_finished.all()) and p.early_stopping is True)
+        valid = not bool(hits[g].all())
+        st.done = not (improvement and open_beam and valid)
+    return choices
+
+
+def _greedy_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoice]:
+    """Width 1: transformers runs greedy search for ``num_beams=1``, and so does batchgen."""
+    log_probs = _mask_end_tokens(states, log_probs, 1)
+    tokens = log_probs.argmax(dim=-1).tolist()
+    chosen = log_probs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    choices = []
+    for g, st in enumerate(states):
+        tok = tokens[g]
+        total = st.running_scores[:1] + chosen[g]
+        st.cur_len += 1
+        ended = tok in st.end_ids
+        if ended or st.cur_len >= st.max_length:
+            parent = st.beams[0]
+            gen_len = st.cur_len - st.prompt_len
+            score = float(total[0] / (gen_len**st.params.length_penalty))
+            st.finished = [Hypothesis(parent.output_token_ids + [tok], score, float(total[0]), ended)]
+            st.done = True
+        st.running_scores = total
+        choices.append(BeamChoice(parents=[st.beams[0]], tokens=[tok], scores=total.tolist()))
+    return choices

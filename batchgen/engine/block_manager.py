@@ -1,0 +1,320 @@
+"""Paged KV-cache bookkeeping: a block pool with reference counts and prefix caching, and one block
+table per sequence. Pure Python (no torch): the model runner applies what this decides.
+
+How it works::
+
+    physical blocks   [0][1][2][3][4][5][6][7]      one KV slab per layer, indexed by block id
+    seq A table        0  1  4                      logical block i -> physical block id
+    seq B table        0  1  5                      B forked from A after 2 full blocks: 0, 1 shared
+    refcount           2  2  .  .  1  1  .  .
+    free queue        head-> 6 7 2 3 <-tail         O(1) doubly-linked list, also the LRU of cached blocks
+
+* A full block gets a hash chaining its parent's hash and its tokens (plus an extra key that
+  changes the content's meaning); ``hash -> block`` finds it for a new request with the same start.
+  Lookups compare the tokens too, so a hash collision can never hand out the wrong KV.
+* ``fork`` copies a table and raises every refcount: nothing is copied.
+* Writing into a block that is shared (refcount > 1) or hashed first moves the writer to a fresh
+  block and records ``CopyPair(src, dst)``; the runner copies all pairs of a step in one op.
+* Freed blocks go to the free queue: unhashed ones at the head (reused first), hashed ones at the
+  tail, so cached prefixes are evicted least-recently-freed first and stay findable until reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class CopyPair(NamedTuple):
+    """Copy physical block ``src`` into ``dst`` before this step's forward pass (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly-linked list of blocks with O(1) popleft, append, appendleft and remove."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _link(self, block: Block, prev: Block, nxt: Block) -> None:
+        block.prev, block.next = prev, nxt
+        prev.next = block
+        nxt.prev = block
+        self._len += 1
+
+    def append(self, block: Block) -> None:
+        self._link(block, self._tail.prev, self._tail)  # type: ignore[arg-type]
+
+    def appendleft(self, block: Block) -> None:
+        self._link(block, self._head, self._head.next)  # type: ignore[arg-type]
+
+    def remove(self, block: Block) -> None:
+        block.prev.next = block.next  # type: ignore[union-attr]
+        block.next.prev = block.prev  # type: ignore[union-attr]
+        block.prev = block.next = None
+        self._len -= 1
+
+    def popleft(self) -> Block:
+        if self._len == 0:
+            raise RuntimeError("no free KV block")
+        block = self._head.next
+        self.remove(block)  # type: ignore[arg-type]
+        return block  # type: ignore[return-value]
+
+    def ids(self) -> list[int]:
+        out, b = [], self._head.next
+        while b is not self._tail:
+            out.append(b.block_id)  # type: ignore[union-attr]
+            b = b.next  # type: ignore[union-attr]
+        return out
+
+    def __contains__(self, block: Block) -> bool:
+        return block.prev is not None
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
+    """The chained hash of a full block: parent's hash, this block's tokens, and an extra key."""
+    return hash((parent_hash, extra_key, tuple(token_ids)))
+
+
+class BlockPool:
+    """A fixed set of blocks with reference counts, a free queue and ``hash -> block``."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self) -> Block:
+        """Take the least recently freed block, dropping its cached identity if it had one."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return block
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def acquire(self, block: Block) -> None:
+        """Add a reference; a cached free block leaves the free queue."""
+        if block.ref_count == 0:
+            self.free_queue.remove(block)
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self.free_queue.appendleft(block)
+            else:
+                self.free_queue.append(block)
+
+    def set_hash(self, block: Block, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Make a full block findable. If another block already holds this content, keep that one."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block
+
+
+class PrefixMatch(NamedTuple):
+    """Leading full blocks of a token sequence found in the cache, and how many of them are free."""
+
+    block_ids: list[int]
+    hashes: list[int]
+    num_free_hits: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int]
+    hashes: list[int]  # chained hashes of this sequence's leading full blocks (len <= len(table))
+
+
+class BlockManager:
+    """Block tables of all live sequences over one ``BlockPool``.
+
+    Queries (``match_prefix``, ``blocks_needed``) never mutate; their mutations sit beside them
+    (``allocate_prefix``, ``append_slots``). Sequences are identified by integer ids.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.seqs: dict[int, _SeqBlocks] = {}
+        self.num_cow_copies = 0
+        self.prefix_hit_tokens = 0
+        self.peak_used_blocks = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free
+
+    def table(self, seq_id: int) -> list[int]:
+        entry = self.seqs.get(seq_id)
+        return entry.table if entry is not None else []
+
+    def match_prefix(self, token_ids: Sequence[int], extra_key: object = None, max_blocks: int | None = None) -> PrefixMatch:
+        """Cached leading full blocks of ``token_ids`` (at most ``max_blocks``)."""
+        bs = self.block_size
+        limit = len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
+        ids, hashes, free_hits, parent = [], [], 0, None
+        for i in range(limit):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            h = hash_block(parent, chunk, extra_key)
+            block = self.pool.lookup(h, chunk)
+            if block is None:
+                break
+            ids.append(block.block_id)
+            hashes.append(h)
+            free_hits += block.ref_count == 0
+            parent = h
+        return PrefixMatch(ids, hashes, free_hits)
+
+    def blocks_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
+        """Free blocks that ``append_slots(seq_id, num_computed, num_new)`` would take."""
+        table = self.table(seq_id)
+        needed = -(-(num_computed + num_new) // self.block_size) - len(table)
+        first = num_computed // self.block_size
+        if num_new > 0 and first < len(table) and not self._writable(self.pool.blocks[table[first]]):
+            needed += 1
+        return max(needed, 0)
+
+    # -- mutations -----------------------------------------------------------------------------
+    def allocate_prefix(self, seq_id: int, match: PrefixMatch) -> int:
+        """Start ``seq_id``'s table with the matched cached blocks; returns the cached token count."""
+        assert seq_id not in self.seqs or not self.seqs[seq_id].table, f"seq {seq_id} already has blocks"
+        for bid in match.block_ids:
+            self.pool.acquire(self.pool.blocks[bid])
+        self.seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
+        cached = match.num_blocks * self.block_size
+        self.prefix_hit_tokens += cached
+        self._note_usage()
+        return cached
+
+    def append_slots(self, seq_id: int, num_computed: int, num_new: int) -> list[CopyPair] | None:
+        """Make the table cover ``num_computed + num_new`` tokens so that the ``num_new`` tokens
+        starting at ``num_computed`` can be written. Returns the copy-on-write pairs, or None (and
+        changes nothing) when the pool lacks free blocks."""
+        if self.blocks_needed(seq_id, num_computed, num_new) > self.pool.num_free:
+            return None
+        entry = self.seqs.setdefault(seq_id, _SeqBlocks([], []))
+        table, copies = entry.table, []
+        first = num_computed // self.block_size
+        if num_new > 0 and first < len(table):
+            old = self.pool.blocks[table[first]]
+            if not self._writable(old):
+                new = self.pool.allocate()
+                copies.append(CopyPair(old.block_id, new.block_id))
+                table[first] = new.block_id
+                del entry.hashes[first:]
+                self.pool.release(old)
+                self.num_cow_copies += 1
+        while len(table) * self.block_size < num_computed + num_new:
+            table.append(self.pool.allocate().block_id)
+        self._note_usage()
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` the parent's table, sharing every block (no copy)."""
+        parent = self.seqs[parent_id]
+        for bid in parent.table:
+            self.pool.acquire(self.pool.blocks[bid])
+        self.seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes))
+
+    def free(self, seq_id: int) -> None:
+        """Drop every reference of ``seq_id`` (tail first, so a prefix outlives its suffix in the LRU)."""
+        entry = self.seqs.pop(seq_id, None)
+        if entry is None:
+            return
+        for bid in reversed(entry.table):
+            self.pool.release(self.pool.blocks[bid])
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: object = None) -> None:
+        """Register the hashes of ``seq_id``'s blocks that are now full of computed tokens."""
+        entry = self.seqs.get(seq_id)
+        if entry is None:
+            return
+        bs = self.block_size
+        num_full = min(num_computed // bs, len(entry.table))
+        parent = entry.hashes[-1] if entry.hashes else None
+        for i in range(len(entry.hashes), num_full):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, chunk, extra_key)
+            entry.hashes.append(parent)
+            self.pool.set_hash(self.pool.blocks[entry.table[i]], parent, chunk)
+
+    # -- checks --------------------------------------------------------------------------------
+    def _writable(self, block: Block) -> bool:
+        return block.ref_count == 1 and block.block_hash is None
+
+    def _note_usage(self) -> None:
+        used = self.num_used_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool and the tables disagree (used by tests and debug mode)."""
+        refs = [0] * self.num_blocks
+        for entry in self.seqs.values():
+            assert len(entry.hashes) <= len(entry.table)
+            for bid in entry.table:
+                refs[bid] += 1
+        free_ids = set(self.pool.free_queue.ids())
+        assert len(free_ids) == len(self.pool.free_queue)
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], (block, refs[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in free_ids), block
+        for h, block in self.pool.cached.items():
+            assert block.block_hash == h
+        assert sum(refs) == sum(len(e.table) for e in self.seqs.values())

@@ -1,0 +1,343 @@
+"""The engine loop: requests in, one scheduled forward pass per ``step``, finished groups out.
+
+``step``: schedule -> run the model on the flattened batch -> advance counters and cache full
+blocks -> sample the sequences whose last token was computed (forking ``n > 1`` requests after
+their prompt) -> advance beam groups whose beams all have logits -> check stops, free finished
+sequences -> return the requests that finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.beam import BeamState, beam_step
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.sampler import SampleRow, derive_seed, sample
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from batchgen.engine.stops import StopStringWatcher, check_stop
+from batchgen.model.loader import load_config, load_tokenizer
+from batchgen.model.runner import ModelRunner
+from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.params import BeamSearchParams, SamplingParams
+
+
+def _eos_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        eos = gen.eos_token_id
+    except Exception:  # noqa: BLE001 - no generation_config.json
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids = [eos]
+    elif eos is not None:
+        ids = list(eos)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.hf_config = load_config(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.max_model_len = cfg.max_model_len or int(self.hf_config.max_position_embeddings)
+        self.runner = ModelRunner(cfg, self.hf_config, self.max_model_len)
+        self.vocab_size = self.runner.model.vocab_size
+        self.eos_ids = _eos_ids(cfg.model, self.hf_config, self.tokenizer)
+        self.block_size = cfg.block_size
+        self.bm = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self._rng = np.random.default_rng(cfg.seed)
+        self._arrivals = itertools.count()
+        self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
+        self._stats = defaultdict(float)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's context (max_model_len) is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        for name in ("stop_token_ids",):
+            for t in getattr(params, name) or []:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})")
+        max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
+        bs = self.block_size
+        need = -(-len(token_ids) // bs) + params.group_size * (-(-max_new // bs) + 1)
+        if need > self.bm.num_blocks:
+            raise ValueError(
+                f"request may need {need} KV blocks (prompt {len(token_ids)} tokens, up to {max_new} new tokens "
+                f"x {params.group_size} sequences) but the pool has {self.bm.num_blocks}; "
+                "raise num_kv_blocks or lower max_tokens / n"
+            )
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> None:
+        """Validate and queue one request. Raises ValueError (and queues nothing) on bad input."""
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        group = SequenceGroup(
+            request_id=request_id, params=params, prompt=text, prompt_token_ids=list(ids),
+            arrival=next(self._arrivals), cache_key=None if self.cfg.enable_prefix_caching else ("req", request_id),
+        )
+        seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
+        base = seed if seed is not None else int(self._rng.integers(0, 2**63))
+        seq = Sequence(group=group, index=0, token_ids=list(ids), num_prompt_tokens=len(ids), seed=derive_seed(base, 0))
+        seq.base_seed = base  # type: ignore[attr-defined]
+        if isinstance(params, SamplingParams):
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if params.stop:
+                seq.detok = StopStringWatcher(self.tokenizer, params)
+        group.seqs.append(seq)
+        self.scheduler.add(group)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        for group in out.preempted:
+            for seq in group.seqs:
+                self._pending.pop(seq.seq_id, None)
+        if out.is_empty:
+            return self._collect()
+        t1 = time.perf_counter()
+        logits = self.runner.execute(out.scheduled, out.copies, self.bm)
+        t2 = time.perf_counter()
+        self.scheduler.finish_step(out)
+        self._note_kv_usage()
+        samplers = [s.seq for s in out.scheduled if s.samples]
+        beam_rows = [i for i, seq in enumerate(samplers) if seq.group.is_beam]
+        sample_rows = [i for i, seq in enumerate(samplers) if not seq.group.is_beam]
+        if sample_rows:
+            self._sample([samplers[i] for i in sample_rows], logits[sample_rows] if beam_rows else logits)
+        if beam_rows:
+            self._beam([samplers[i] for i in beam_rows], logits[beam_rows])
+        t3 = time.perf_counter()
+        st = self._stats
+        st["steps"] += 1
+        st["schedule_s"] += t1 - t0
+        st["model_s"] += t2 - t1
+        st["sample_s"] += t3 - t2
+        st["prefill_tokens"] += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        st["decode_tokens"] += sum(1 for s in out.scheduled if s.num_new_tokens == 1)
+        if self.cfg.debug_checks:
+            self.bm.check_invariants()
+        return self._collect()
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        rows: list[SampleRow] = []
+        targets: list[Sequence] = []
+        row_index: list[int] = []
+        for i, seq in enumerate(seqs):
+            group = seq.group
+            params: SamplingParams = group.params  # type: ignore[assignment]
+            if len(group.seqs) == 1 and params.n > 1 and seq.num_output_tokens == 0:
+                # The prompt's prefill is done: fork it into n samples, one token each from this row.
+                children = [seq] + [self._fork(seq, index=j) for j in range(1, params.n)]
+            else:
+                children = [seq]
+            for child in children:
+                blocked = []
+                if child.num_output_tokens < params.min_tokens:
+                    blocked = list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids))
+                rows.append(SampleRow(params, child.seed, child.num_output_tokens, child.token_ids,
+                                      child.num_prompt_tokens, blocked))
+                targets.append(child)
+                row_index.append(i)
+        if len(targets) != len(seqs):
+            logits = logits[torch.tensor(row_index, device=logits.device)]
+        result = sample(logits, rows)
+        for seq, tok, lp, top in zip(targets, result.tokens, result.logprobs, result.top_logprobs, strict=True):
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob += lp
+            if seq.logprobs is not None:
+                seq.logprobs.append(top or {tok: lp})
+            if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len):  # type: ignore[arg-type]
+                self.scheduler.free_seq(seq)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        group = parent.group
+        child = Sequence(
+            group=group, index=index, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
+            seed=derive_seed(parent.base_seed, index), num_computed_tokens=parent.num_computed_tokens,  # type: ignore[attr-defined]
+            status=parent.status, cumulative_logprob=parent.cumulative_logprob,
+        )
+        child.base_seed = parent.base_seed  # type: ignore[attr-defined]
+        if parent.logprobs is not None:
+            child.logprobs = list(parent.logprobs)
+        if parent.detok is not None:
+            child.detok = parent.detok.copy_for(parent.output_token_ids, self.tokenizer, group.params)
+        self.bm.fork(parent.seq_id, child.seq_id)
+        group.seqs.append(child)
+        return child
+
+    def _beam(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        for seq, row in zip(seqs, log_probs, strict=True):
+            self._pending[seq.seq_id] = row
+        ready: dict[tuple[int, int], list[SequenceGroup]] = defaultdict(list)
+        for group in dict.fromkeys(seq.group for seq in seqs):
+            if group.beam is None:
+                p: BeamSearchParams = group.params  # type: ignore[assignment]
+                end = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_ids)))
+                prompt_seq = group.seqs[0]
+                max_len = min(prompt_seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+                group.beam = BeamState.start(p, prompt_seq, end, max_len)
+            if all(b.seq_id in self._pending for b in group.beam.beams):
+                ready[group.beam.group_key].append(group)
+        for groups in ready.values():
+            rows = torch.stack([self._pending[b.seq_id] for g in groups for b in g.beam.beams])
+            for g in groups:
+                for b in g.beam.beams:
+                    self._pending.pop(b.seq_id, None)
+            choices = beam_step([g.beam for g in groups], rows)
+            for group, choice in zip(groups, choices, strict=True):
+                self._apply_beams(group, choice)
+
+    def _apply_beams(self, group: SequenceGroup, choice) -> None:
+        state: BeamState = group.beam
+        old = list(dict.fromkeys(state.beams))
+        if state.done:
+            for seq in old:
+                self.scheduler.free_seq(seq)
+            group.seqs = old
+            return
+        used: set[int] = set()
+        assigned: list[tuple[Sequence, int, float]] = []
+        for parent, tok, score in zip(choice.parents, choice.tokens, choice.scores, strict=True):
+            if parent.seq_id in used:
+                target = self._fork(parent, index=len(group.seqs))
+            else:
+                used.add(parent.seq_id)
+                target = parent
+            assigned.append((target, tok, score))
+        for target, tok, score in assigned:
+            target.token_ids.append(tok)
+            target.cumulative_logprob = score
+        for seq in old:
+            if seq.seq_id not in used:
+                self.scheduler.free_seq(seq)
+        state.beams = [t for t, _, _ in assigned]
+        group.seqs = list(state.beams)
+
+    # -- results -------------------------------------------------------------------------------
+    def _collect(self) -> list[RequestOutput]:
+        return [self._output(g) for g in self.scheduler.remove_finished()]
+
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        except Exception:  # noqa: BLE001 - ids past the tokenizer's vocabulary
+            known = [t for t in ids if t < len(self.tokenizer)]
+            return self.tokenizer.decode(known, skip_special_tokens=skip_special)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        completions = []
+        if group.is_beam:
+            p: BeamSearchParams = group.params  # type: ignore[assignment]
+            for i, hyp in enumerate(group.beam.finished[: p.num_return_sequences]):
+                if hyp is None:
+                    continue
+                completions.append(CompletionOutput(
+                    index=i, text=self._decode(hyp.token_ids, True), token_ids=hyp.token_ids,
+                    cumulative_logprob=hyp.logprob_sum, logprobs=None,
+                    finish_reason="stop" if hyp.ended_by_token else "length",
+                    stop_reason=hyp.token_ids[-1] if hyp.ended_by_token and hyp.token_ids[-1] not in self.eos_ids else None,
+                    score=hyp.score,
+                ))
+        else:
+            sp: SamplingParams = group.params  # type: ignore[assignment]
+            for seq in sorted(group.seqs, key=lambda s: s.index):
+                if seq.text_end is not None:
+                    text = seq.detok.text[: seq.text_end]
+                else:
+                    text = self._decode(seq.output_token_ids, sp.skip_special_tokens)
+                completions.append(CompletionOutput(
+                    index=seq.index, text=text, token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason,
+                ))
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=group.num_cached_tokens or 0, outputs=completions,
+        )
+
+    # -- statistics ----------------------------------------------------------------------------
+    def _note_kv_usage(self) -> None:
+        st = self._stats
+        live = [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
+        logical = sum(s.num_computed_tokens for s in live)
+        physical = self.bm.num_used_blocks * self.block_size
+        if logical > st["peak_logical_kv_tokens"]:
+            st["peak_logical_kv_tokens"] = logical
+            st["contiguous_reserved_at_peak"] = sum(
+                s.num_prompt_tokens + min(s.group.params.max_tokens or self.max_model_len, self.max_model_len)
+                for s in live)
+            st["max_len_reserved_at_peak"] = len(live) * self.max_model_len
+        if physical > st["peak_physical_kv_slots"]:
+            st["peak_physical_kv_slots"] = physical
+            fill: dict[int, int] = {}
+            for s in live:
+                table = self.bm.table(s.seq_id)
+                for i, b in enumerate(table):
+                    fill[b] = max(fill.get(b, 0), min(self.block_size, s.num_computed_tokens - i * self.block_size))
+            st["unused_slots_in_held_blocks_at_peak"] = physical - sum(max(f, 0) for f in fill.values())
+
+    def stats(self) -> dict[str, float | int]:
+        st = dict(self._stats)
+        out: dict[str, float | int] = {
+            "num_blocks": self.bm.num_blocks,
+            "block_size": self.block_size,
+            "peak_blocks_used": self.bm.peak_used_blocks,
+            "cow_copies": self.bm.num_cow_copies,
+            "prefix_cache_hit_tokens": self.bm.prefix_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "peak_logical_kv_tokens": int(st.get("peak_logical_kv_tokens", 0)),
+            "peak_physical_kv_slots": int(st.get("peak_physical_kv_slots", 0)),
+            "unused_slots_in_held_blocks_at_peak": int(st.get("unused_slots_in_held_blocks_at_peak", 0)),
+            "contiguous_reserved_slots_at_peak": int(st.get("contiguous_reserved_at_peak", 0)),
+            "max_len_reserved_slots_at_peak": int(st.get("max_len_reserved_at_peak", 0)),
+            "steps": int(st.get("steps", 0)),
+            "prefill_tokens": int(st.get("prefill_tokens", 0)),
+            "decode_tokens": int(st.get("decode_tokens", 0)),
+            "schedule_s": st.get("schedule_s", 0.0),
+            "model_s": st.get("model_s", 0.0),
+            "sample_s": st.get("sample_s", 0.0),
+        }
+        logical = out["peak_logical_kv_tokens"]
+        out["physical_over_logical"] = out["peak_physical_kv_slots"] / logical if logical else 0.0
+        return out

@@ -1,0 +1,194 @@
+"""Continuous batching over a paged KV pool. Pure Python (no torch).
+
+One step (``schedule``):
+
+1. Running groups, oldest first. Each live sequence with tokens to compute gets
+   ``min(uncomputed, token budget)`` of them: 1 for a decoding sequence, a chunk for a prefill.
+   If the pool cannot hold them, the newest running group is preempted (recompute: its blocks
+   are freed, its tokens kept) until it can, or the group itself is the newest and is preempted.
+2. Waiting groups (preempted ones first, then new ones in arrival order) are admitted while the
+   token budget, ``max_num_seqs`` and the pool (minus a small watermark) allow. A sequence without
+   blocks starts from its longest cached prefix.
+
+The result is a ``SchedulerOutput``: which sequences run how many tokens, and which blocks to copy.
+A group is preempted and admitted as a whole; ``max_num_seqs`` counts a group at its final size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from batchgen.engine.block_manager import BlockManager, CopyPair, PrefixMatch
+from batchgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
+
+
+class ScheduledSeq(NamedTuple):
+    """``seq`` computes ``num_new_tokens`` tokens starting at ``start`` this step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are needed."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[CopyPair] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class _Plan(NamedTuple):
+    seq: Sequence
+    match: PrefixMatch | None
+    start: int
+    num_new: int
+    blocks: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = max(1, self.bm.num_blocks // 100)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Mark ``seq`` finished and return its blocks."""
+        seq.status = SeqStatus.FINISHED
+        self.bm.free(seq.seq_id)
+
+    def remove_finished(self) -> list[SequenceGroup]:
+        done = [g for g in self.running if g.is_finished]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished]
+        return done
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(max(g.max_seqs, len(g.live_seqs)) for g in self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            group = self.running[i]
+            scheduled = self._schedule_running(group, budget, out)
+            if scheduled is None:  # the group preempted itself
+                continue
+            budget -= scheduled
+            i += 1
+
+        while self.waiting and budget > 0 and not out.preempted:
+            group = self.waiting[0]
+            if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
+                break
+            plans, need = self._plan(group, budget)
+            reserve = self.watermark if self.running else 0
+            if not plans or need + reserve > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.running.append(group)
+            budget -= self._apply(plans, out)
+        return out
+
+    def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:
+        while True:
+            plans, need = self._plan(group, budget)
+            if need <= self.bm.num_free_blocks:
+                return self._apply(plans, out)
+            victim = self.running[-1]
+            if victim is group and len(self.running) == 1:
+                raise RuntimeError(
+                    f"request {group.request_id} needs more KV blocks than the pool has "
+                    f"({self.bm.num_blocks}); raise num_kv_blocks or lower max_tokens / n"
+                )
+            self._preempt(victim, out)
+            if victim is group:
+                return None
+
+    def _plan(self, group: SequenceGroup, budget: int) -> tuple[list[_Plan], int]:
+        plans, need = [], 0
+        bs = self.bm.block_size
+        for seq in group.live_seqs:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed_tokens == 0:
+                continue
+            match, start = None, seq.num_computed_tokens
+            if start == 0 and not self.bm.table(seq.seq_id):
+                # Keep at least one token to compute: its logits are what the step is for.
+                match = self.bm.match_prefix(seq.token_ids, group.cache_key, (seq.num_tokens - 1) // bs)
+                start = match.num_blocks * bs
+                need += match.num_free_hits
+            num_new = min(seq.num_tokens - start, budget)
+            if match is not None:
+                blocks = -(-(start + num_new) // bs) - match.num_blocks
+            else:
+                blocks = self.bm.blocks_needed(seq.seq_id, start, num_new)
+            plans.append(_Plan(seq, match, start, num_new, blocks))
+            need += blocks
+            budget -= num_new
+        return plans, need
+
+    def _apply(self, plans: list[_Plan], out: SchedulerOutput) -> int:
+        used = 0
+        for plan in plans:
+            seq = plan.seq
+            if plan.match is not None:
+                cached = self.bm.allocate_prefix(seq.seq_id, plan.match)
+                seq.num_computed_tokens = cached
+                if seq.group.num_cached_tokens is None:
+                    seq.group.num_cached_tokens = cached
+            copies = self.bm.append_slots(seq.seq_id, plan.start, plan.num_new)
+            assert copies is not None, "planned allocation failed"
+            out.copies.extend(copies)
+            seq.status = SeqStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, plan.start, plan.num_new))
+            used += plan.num_new
+        return used
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Recompute preemption: free every block of the group, keep its tokens, requeue it first."""
+        self.running.remove(group)
+        out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
+        for seq in group.live_seqs:
+            self.bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(group)
+        out.preempted.append(group)
+        self.num_preemptions += 1
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """Advance the computed counters of what ran and make newly full blocks findable."""
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.cache_key)

@@ -1,0 +1,104 @@
+"""Request state: a ``SequenceGroup`` is one request (one prompt); its ``Sequence``s are the n
+samples or k beams that share the prompt.
+
+Counters of a sequence, with the invariant ``0 <= num_computed_tokens <= num_tokens``:
+``num_tokens`` is prompt + generated tokens; ``num_computed_tokens`` of them have KV in the cache.
+After a preemption by recompute, ``num_computed_tokens`` drops to 0 and the whole history is
+prefilled again (cached prefix blocks make that cheap); the tokens themselves never change.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.params import BeamSearchParams, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    group: SequenceGroup
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: Any = None  # incremental detokenizer state (only when stop strings are used)
+    text_end: int | None = None  # where the completion's text ends (a stop string was found)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def check(self) -> None:
+        assert 0 <= self.num_computed_tokens <= self.num_tokens, (self.num_computed_tokens, self.num_tokens)
+        assert self.num_prompt_tokens <= self.num_tokens
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request. ``seqs`` starts with one sequence holding the prompt; a sampling request with
+    ``n > 1`` forks it into n after the prompt's prefill, a beam request keeps ``beam_width`` beams.
+    ``cache_key`` is mixed into block hashes: None shares prefixes across requests, a per-request
+    value keeps them private (prefix caching off) while still letting a recompute reuse its own blocks.
+    """
+
+    request_id: str
+    params: SamplingParams | BeamSearchParams
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival: int
+    cache_key: object = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    beam: Any = None  # BeamState for beam search requests
+    finished_outputs: list[Any] | None = None
+
+    @property
+    def is_beam(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.params.group_size
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)

@@ -1,0 +1,144 @@
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) as plain tensors,
+running over a flattened batch of tokens (no padding) with a paged KV cache.
+
+q/k/v and gate/up projections are fused into one matrix each at load time (fewer, larger GEMMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.layers import Rotary, apply_rotary, rms_norm
+from batchgen.model.loader import ModelLoadError, iter_weights
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    sliding_window: int | None
+
+
+class LlamaModel:
+    def __init__(self, config, model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.rotary = Rotary(config, max_positions, device, dtype)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
+        self._load(model_dir)
+
+    # -- loading -------------------------------------------------------------------------------
+    def _windows(self) -> list[int | None]:
+        c = self.config
+        window = getattr(c, "sliding_window", None)
+        if window is None or getattr(c, "use_sliding_window", True) is False:
+            return [None] * self.num_layers
+        types = getattr(c, "layer_types", None)
+        if types:
+            return [window if t == "sliding_attention" else None for t in types]
+        return [window] * self.num_layers
+
+    def _load(self, model_dir: str) -> None:
+        w: dict[str, torch.Tensor] = {}
+        for name, tensor in iter_weights(model_dir):
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            w[name] = tensor
+
+        def take(name: str, optional: bool = False) -> torch.Tensor | None:
+            t = w.pop(name, None)
+            if t is None:
+                if optional:
+                    return None
+                raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor {name!r}")
+            return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+        self.embed = take("embed_tokens.weight")
+        windows = self._windows()
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")
+            biases = [take(p + f"self_attn.{x}_proj.bias", optional=True) for x in "qkv"]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=torch.cat([q, k, v]).contiguous(),
+                    qkv_bias=bias,
+                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    q_norm=take(p + "self_attn.q_norm.weight", optional=True),
+                    k_norm=take(p + "self_attn.k_norm.weight", optional=True),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=take(p + "mlp.down_proj.weight"),
+                    sliding_window=windows[i],
+                )
+            )
+        self.norm = take("norm.weight")
+        lm_head = w.pop("lm_head.weight", None)
+        if lm_head is None:
+            if not getattr(self.config, "tie_word_embeddings", False):
+                raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor 'lm_head.weight'")
+            self.lm_head = self.embed
+        else:
+            self.lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
+
+    # -- forward -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm for every token of the flattened batch."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(positions)
+        t = x.shape[0]
+        for i, lw in enumerate(self.layers):
+            residual = x
+            y = rms_norm(x, lw.input_norm, self.eps)
+            qkv = F.linear(y, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, self.eps)
+                k = rms_norm(k, lw.k_norm, self.eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            o = backend.forward(q, k, v.contiguous(), kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window)
+            x = residual + F.linear(o.reshape(t, h * d), lw.o_proj)
+            residual = x
+            y = rms_norm(x, lw.post_norm, self.eps)
+            gate, up = F.linear(y, lw.gate_up).chunk(2, dim=-1)
+            x = residual + F.linear(F.silu(gate) * up, lw.down)
+        return rms_norm(x, self.norm, self.eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,139 @@
+"""The model runner: turns a ``SchedulerOutput`` into one forward pass over a flattened batch.
+
+Per step it (1) applies the step's copy-on-write block copies in one indexed copy over all layers,
+(2) lays out decode tokens first and prefill chunks after, building input ids, positions, slot
+mapping and block tables with numpy (no per-token Python loop), (3) runs the model and returns the
+logits of the last token of every sequence that samples this step, in the scheduler's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.block_manager import BlockManager, CopyPair
+from batchgen.engine.scheduler import ScheduledSeq
+from batchgen.model.attention import AttentionMetadata, PrefillChunk, make_backend
+from batchgen.model.llama import LlamaModel
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepTimes:
+    prepare: float = 0.0
+    forward: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, hf_config, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model = LlamaModel(hf_config, cfg.model, self.device, self.dtype, max_model_len)
+        self.backend = make_backend(cfg.attention_backend, self.device)
+        self.block_size = cfg.block_size
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
+        m = self.model
+        self.kv_cache = torch.empty(
+            (m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _blocks_from_memory(self, max_model_len: int) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = free * self.cfg.gpu_memory_utilization - 2 * 2**30
+        else:
+            budget = self.cfg.kv_cache_memory_gb * 2**30
+        # Never more than every sequence at full length could use.
+        cap = self.cfg.max_num_seqs * (-(-max_model_len // self.block_size) + 1)
+        return max(2, min(int(budget // self.bytes_per_block), cap))
+
+    def copy_blocks(self, copies: list[CopyPair]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], device=self.device)
+        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def execute(self, scheduled: list[ScheduledSeq], copies: list[CopyPair], bm: BlockManager) -> torch.Tensor:
+        """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order."""
+        self.copy_blocks(copies)
+        decode = [s for s in scheduled if s.num_new_tokens == 1]
+        prefill = [s for s in scheduled if s.num_new_tokens != 1]
+        order = decode + prefill
+        bs = self.block_size
+        nd = len(decode)
+
+        lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
+        starts = np.fromiter((s.start for s in order), dtype=np.int64, count=len(order))
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(order)), lens)
+        positions = starts[seq_of_token] + (np.arange(total) - cu[:-1][seq_of_token])
+
+        tables = [bm.table(s.seq.seq_id) for s in order]
+        width = max(len(t) for t in tables)
+        bt = np.zeros((len(order), width), dtype=np.int64)
+        for row, t in enumerate(tables):
+            bt[row, : len(t)] = t
+        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
+
+        ids: list[int] = []
+        for s in order:
+            if s.num_new_tokens == 1:
+                ids.append(s.seq.token_ids[s.start])
+            else:
+                ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+
+        dev = self.device
+        bt_t = torch.from_numpy(bt).to(dev)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev), num_decode=nd)
+        if nd:
+            ctx = starts[:nd] + 1
+            meta.decode_block_tables = bt_t[:nd]
+            meta.decode_context_lens = torch.from_numpy(ctx).to(dev)
+            meta.decode_max_context = int(ctx.max())
+        for row in range(nd, len(order)):
+            s = order[row]
+            nblocks = -(-(s.start + s.num_new_tokens) // bs)
+            meta.prefills.append(
+                PrefillChunk(int(cu[row]), s.num_new_tokens, s.start + s.num_new_tokens, bt_t[row, :nblocks])
+            )
+
+        hidden = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev),
+            self.kv_cache, meta, self.backend,
+        )
+        # Last token of each sampling sequence, in the caller's order.
+        row_of = {id(s): i for i, s in enumerate(order)}
+        last = [int(cu[row_of[id(s)] + 1]) - 1 for s in scheduled if s.samples]
+        if not last:
+            return torch.empty((0, self.model.vocab_size), device=dev)
+        return self.model.logits(hidden[torch.tensor(last, device=dev)])

@@ -1,0 +1,41 @@
+"""Results of ``LLM.generate``: one ``RequestOutput`` per prompt, each holding its completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (a sample, or a beam hypothesis).
+
+    ``token_ids`` end with the EOS / stop token when one ended the completion (as in vLLM).
+    ``cumulative_logprob`` is the sum of the raw model log-probabilities of ``token_ids``.
+    ``score`` is set for beam search: the length-penalized score transformers reports as
+    ``sequences_scores``. ``stop_reason`` is the stop string or stop token id that ended it, or None.
+    ``logprobs``, when asked for, has one dict per generated token: token id -> log-probability.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    score: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt, best first for beam search, by sample index otherwise."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True

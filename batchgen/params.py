@@ -1,0 +1,187 @@
+"""Generation parameters: ``SamplingParams`` (vLLM names and meanings) and ``BeamSearchParams``
+(transformers ``generate(num_beams=...)`` semantics).
+
+Both validate on construction and raise ``ValueError`` naming the bad field and value, so a bad
+request never reaches the engine. Unknown field names are rejected the same way (with a suggestion).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
+
+EarlyStopping = Literal[True, False, "never"]
+
+
+class _Params:
+    """Keyword-only construction with a ValueError (not a TypeError) for unknown names."""
+
+    _kind: ClassVar[str] = "params"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """Build from a mapping (a job config, a row override); unknown keys raise ``ValueError``."""
+        return cls(**values)
+
+    @classmethod
+    def _check_names(cls, values: dict[str, Any]) -> None:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        for key in values:
+            if key not in names:
+                hint = difflib.get_close_matches(key, sorted(names), n=1)
+                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ValueError(f"unknown {cls._kind} parameter {key!r}{extra}; allowed: {', '.join(sorted(names))}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+def _reject_unknown_names(cls):
+    """Make the dataclass ``__init__`` raise ValueError (naming the key) for unknown keywords."""
+    init = cls.__init__
+
+    def __init__(self, **kwargs):
+        cls._check_names(kwargs)
+        init(self, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__
+    return cls
+
+
+def _check(cond: bool, name: str, value: Any, rule: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_token_ids(name: str, ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    ids = list(ids)
+    for t in ids:
+        _check(_is_int(t) and t >= 0, name, ids, "a list of non-negative token ids")
+    return ids
+
+
+@_reject_unknown_names
+@dataclass(kw_only=True)
+class SamplingParams(_Params):
+    """Sampling parameters with vLLM's names and meanings.
+
+    ``temperature=0`` means greedy. ``seed`` makes a request sample the same tokens whatever else is
+    in the batch. ``logprobs=k`` returns, for each generated token, the ``k`` most likely tokens'
+    log-probabilities plus the sampled one's. Log-probabilities are those of the model's raw
+    distribution (before temperature, penalties and truncation), as vLLM reports by default.
+    """
+
+    _kind: ClassVar[str] = "sampling"
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature",
+               self.temperature, ">= 0 (0 means greedy)")
+        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        # vLLM also accepts -1 for "no top-k"; 0 means the same here.
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an integer >= 0 (0: disabled)")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               self.max_tokens, "an integer >= 1 or None")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", self.stop, "a list of non-empty strings")
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+               self.logprobs, "an integer >= 0 or None")
+        _check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "> 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and -2 <= v <= 2, name, v, "in [-2, 2]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def group_size(self) -> int:
+        return self.n
+
+
+@_reject_unknown_names
+@dataclass(kw_only=True)
+class BeamSearchParams(_Params):
+    """Beam search with the semantics of transformers ``generate(num_beams=k, do_sample=False)``.
+
+    ``length_penalty`` divides a hypothesis's summed log-probability by its *generated* length to
+    that power (transformers; vLLM's ``LLM.beam_search`` counts the prompt too). ``early_stopping``
+    is True (stop once ``beam_width`` hypotheses are finished), False (stop when the heuristic says
+    no running beam can beat the finished ones) or ``"never"`` (the canonical, exhaustive rule).
+    """
+
+    _kind: ClassVar[str] = "beam search"
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    num_return_sequences: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = field(default=None)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "an integer >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        if self.num_return_sequences is None:
+            self.num_return_sequences = self.beam_width
+        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
+               "num_return_sequences", self.num_return_sequences, f"an integer in [1, beam_width={self.beam_width}]")
+        _check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
+               "length_penalty", self.length_penalty, "a number")
+        _check(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+               "early_stopping", self.early_stopping, 'one of True, False, "never"')
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+
+    @property
+    def group_size(self) -> int:
+        return self.beam_width
+
+
+GenerationParams = SamplingParams | BeamSearchParams

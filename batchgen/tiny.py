@@ -1,0 +1,93 @@
+"""Build small random-weight models of the supported architectures in a local directory, with a
+byte-level BPE tokenizer and a chat template, through ``save_pretrained``. Used by the demo, the
+tests and the benchmarks (no model hub is ever contacted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = """\
+batchgen turns a dataset of prompts into a dataset of generations. The engine keeps the KV cache
+in fixed-size blocks, shares blocks copy-on-write between samples, beams and requests whose prompts
+start alike, and keeps the batch full with continuous batching. The quick brown fox jumps over the
+lazy dog. Translate to French: the cat sat on the mat. Question: what is two plus two? Answer: four.
+Once upon a time there was a small model with random weights that spoke in riddles and numbers.
+"""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (specials <pad>=0, <s>=1, </s>=2) with at most ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(vocab_size, 3 + 256), special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(arch: str = "llama", vocab_size: int = 384, hidden_size: int = 64, intermediate_size: int = 128,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 1024,
+                tie_word_embeddings: bool = False, initializer_range: float = 0.2, rope_parameters: dict | None = None,
+                head_dim: int | None = None):
+    import transformers as tf
+
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config}
+    if arch not in cls:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        head_dim=head_dim or hidden_size // num_heads,
+    )
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = rope_parameters
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    config = cls[arch](**kwargs)
+    if arch == "qwen2":
+        config.architectures = ["Qwen2ForCausalLM"]
+    return config
+
+
+def make_model(path: str | Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
+               tokenizer_vocab: int | None = None, **config_kwargs) -> Path:
+    """Write a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = make_config(arch, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    build_tokenizer(min(tokenizer_vocab or config.vocab_size, 512)).save_pretrained(str(path))
+    (path / "batchgen_model.json").write_text(json.dumps({"arch": arch, "seed": seed, **config_kwargs}, default=str))
+    return path
+
+
+def make_bench_model(path: str | Path) -> Path:
+    """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads."""
+    return make_model(path, "llama", seed=0, vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                      num_layers=8, num_heads=8, num_kv_heads=2, max_positions=4096, initializer_range=0.02)
