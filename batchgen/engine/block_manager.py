@@ -267,7 +267,7 @@ class BlockManager:
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the parent's table, sharing every block (no copy)."""
-        parent = self.seqs[parent_id]
+        parent = self.seqs.get(parent_id) or _SeqBlocks([], [])
         for bid in parent.table:
             self.pool.acquire(self.pool.blocks[bid])
         self.seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes))

@@ -30,11 +30,7 @@ class ScheduledSeq(NamedTuple):
     seq: Sequence
     start: int
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last logits are needed."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    samples: bool  # the chunk reaches the end of the sequence: its last logits are needed
 
 
 @dataclass
@@ -170,7 +166,7 @@ class Scheduler:
             assert copies is not None, "planned allocation failed"
             out.copies.extend(copies)
             seq.status = SeqStatus.RUNNING
-            out.scheduled.append(ScheduledSeq(seq, plan.start, plan.num_new))
+            out.scheduled.append(ScheduledSeq(seq, plan.start, plan.num_new, plan.start + plan.num_new == seq.num_tokens))
             used += plan.num_new
         return used
 

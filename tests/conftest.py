@@ -1,0 +1,37 @@
+"""Shared fixtures: small random-weight models of each architecture, built once per session with
+``save_pretrained``, and the transformers oracle on the same weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from batchgen.tiny import ARCHS, make_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """One tiny model per architecture (vocab 384, 2 layers); qwen2 carries qkv bias, qwen3 q/k norm."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_model(root / arch, arch, seed=i)) for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def beam_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Small-vocabulary models (24 tokens, EOS = 2) so that EOS ends beams at different steps."""
+    root = tmp_path_factory.mktemp("beam_models")
+    return {
+        arch: str(make_model(root / arch, arch, seed=10 + i, vocab_size=24, initializer_range=0.3))
+        for i, arch in enumerate(ARCHS)
+    }

@@ -1,0 +1,113 @@
+"""Scheduler without a model: token budget and chunking, max_num_seqs, prefix hits, preemption
+(newest group first, whole groups, requeued at the front) on tiny pools."""
+
+from __future__ import annotations
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import Sequence, SequenceGroup
+from batchgen.params import SamplingParams
+
+BS = 4
+
+
+def make_group(rid: str, tokens: list[int], n: int = 1) -> SequenceGroup:
+    g = SequenceGroup(rid, SamplingParams(n=n), None, tokens, arrival=int(rid) if rid.isdigit() else 0)
+    g.seqs.append(Sequence(g, 0, list(tokens), len(tokens), seed=0))
+    return g
+
+
+def run_step(sched: Scheduler):
+    out = sched.schedule()
+    sched.finish_step(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.token_ids.append(7)  # a "sampled" token
+    return out
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_budget():
+    sched = Scheduler(BlockManager(32, BS), max_num_seqs=8, max_num_batched_tokens=5)
+    g = make_group("0", list(range(12)))
+    sched.add(g)
+    chunks = []
+    for _ in range(3):
+        out = run_step(sched)
+        chunks.append([(s.start, s.num_new_tokens, s.samples) for s in out.scheduled])
+    assert chunks == [[(0, 5, False)], [(5, 5, False)], [(10, 2, True)]]
+    out = run_step(sched)
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(12, 1)]
+
+
+def test_decodes_and_new_prefill_share_a_step():
+    sched = Scheduler(BlockManager(32, BS), max_num_seqs=8, max_num_batched_tokens=6)
+    a, b = make_group("0", [1, 2, 3]), make_group("1", list(range(10, 20)))
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.seq.group.request_id, s.num_new_tokens) for s in out.scheduled] == [("0", 1), ("1", 5)]
+
+
+def test_max_num_seqs_counts_groups_at_their_final_size():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=4, max_num_batched_tokens=100)
+    sched.add(make_group("0", [1, 2, 3], n=3))
+    sched.add(make_group("1", [4, 5, 6], n=2))
+    out = run_step(sched)
+    assert {s.seq.group.request_id for s in out.scheduled} == {"0"}
+    assert len(sched.waiting) == 1
+
+
+def test_second_request_reuses_cached_prefix():
+    sched = Scheduler(BlockManager(32, BS), max_num_seqs=8, max_num_batched_tokens=100)
+    prefix = list(range(100, 109))
+    a = make_group("0", prefix + [1])
+    sched.add(a)
+    run_step(sched)
+    b = make_group("1", prefix + [2, 3])
+    sched.add(b)
+    out = run_step(sched)
+    sb = [s for s in out.scheduled if s.seq.group is b][0]
+    assert sb.start == 8 and sb.num_new_tokens == 3
+    assert b.num_cached_tokens == 8
+    assert sched.bm.table(b.seqs[0].seq_id)[:2] == sched.bm.table(a.seqs[0].seq_id)[:2]
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    sched = Scheduler(BlockManager(32, BS), max_num_seqs=8, max_num_batched_tokens=100)
+    a = make_group("0", list(range(8)))
+    sched.add(a)
+    run_step(sched)
+    b = make_group("1", list(range(8)))
+    sched.add(b)
+    out = run_step(sched)
+    sb = [s for s in out.scheduled if s.seq.group is b][0]
+    assert (sb.start, sb.num_new_tokens) == (4, 4)
+
+
+def test_preemption_takes_newest_group_whole_and_requeues_it_first():
+    bm = BlockManager(6, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    old, new = make_group("0", list(range(7))), make_group("1", list(range(50, 57)))
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # 2 blocks each; both have 8 tokens now
+    assert len(sched.running) == 2
+    for _ in range(8):
+        out = run_step(sched)
+        if out.preempted:
+            break
+    assert out.preempted == [new]
+    assert sched.waiting[0] is new and new.seqs[0].num_computed_tokens == 0
+    assert not bm.table(new.seqs[0].seq_id)
+    bm.check_invariants()
+    # the old group keeps running; the new one resumes once blocks come back
+    assert [s.seq.group for s in out.scheduled] == [old]
+    from batchgen.engine.sequence import SeqStatus
+    sched.free_seq(old.seqs[0])
+    sched.remove_finished()
+    total = new.seqs[0].num_tokens
+    out = run_step(sched)
+    s = out.scheduled[0]
+    assert s.seq.group is new and s.start == 8 and s.num_new_tokens == total - 8
+    assert old.seqs[0].status is SeqStatus.FINISHED
