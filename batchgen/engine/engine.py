@@ -316,6 +316,8 @@ class LLMEngine:
                 for i, b in enumerate(table):
                     fill[b] = max(fill.get(b, 0), min(self.block_size, s.num_computed_tokens - i * self.block_size))
             st["unused_slots_in_held_blocks_at_peak"] = physical - sum(max(f, 0) for f in fill.values())
+            # blocks the same sequences would hold without sharing (each its own copy of everything)
+            st["unshared_blocks_at_peak"] = sum(-(-s.num_computed_tokens // self.block_size) for s in live)
 
     def stats(self) -> dict[str, float | int]:
         st = dict(self._stats)
@@ -340,4 +342,7 @@ class LLMEngine:
         }
         logical = out["peak_logical_kv_tokens"]
         out["physical_over_logical"] = out["peak_physical_kv_slots"] / logical if logical else 0.0
+        unshared = st.get("unshared_blocks_at_peak", 0)
+        used = out["peak_physical_kv_slots"] // self.block_size
+        out["kv_saved_by_sharing"] = 1 - used / unshared if unshared else 0.0
         return out

@@ -1,0 +1,59 @@
+"""The end-of-job report: printed, and saved as ``report.json`` beside the shards."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class JobReport:
+    rows_total: int | None = None
+    rows_previously_done: int = 0
+    rows_ok: int = 0
+    rows_failed: int = 0
+    skipped_duplicate_ids: int = 0
+    rows_in_output: int = 0
+    failed_in_output: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    engine: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    def fill_engine_stats(self, stats: dict) -> None:
+        self.engine = stats
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        e = self.engine
+        logical, physical = e.get("peak_logical_kv_tokens", 0), e.get("peak_physical_kv_slots", 0)
+        d.update(
+            generated_tokens_per_s=round(self.tokens_per_s, 2),
+            prefix_cache_hit_rate=round(e.get("prefix_cache_hit_tokens", 0) / self.prompt_tokens, 4)
+            if self.prompt_tokens else 0.0,
+            kv_saved_by_sharing=round(e.get("kv_saved_by_sharing", 0.0), 4),
+            peak_physical_over_logical=round(physical / logical, 4) if logical else 0.0,
+            peak_kv_blocks_used=e.get("peak_blocks_used", 0),
+            kv_blocks=e.get("num_blocks", 0),
+        )
+        return d
+
+    def render(self) -> str:
+        d = self.to_dict()
+        lines = [
+            "batchgen job report",
+            f"  rows ok / failed (this run)  {self.rows_ok} / {self.rows_failed}"
+            + (f"   (resumed: {self.rows_previously_done} rows were already done)" if self.rows_previously_done else ""),
+            f"  rows in output (failed)      {self.rows_in_output} ({self.failed_in_output})",
+            f"  tokens in / out              {self.prompt_tokens} / {self.generated_tokens}",
+            f"  wall time                    {self.wall_s:.1f} s   ({d['generated_tokens_per_s']:.1f} generated tokens/s)",
+            f"  prefix-cache hit rate        {d['prefix_cache_hit_rate']:.1%}",
+            f"  KV memory saved by sharing   {d['kv_saved_by_sharing']:.1%}   "
+            f"(peak {d['peak_kv_blocks_used']} of {d['kv_blocks']} blocks)",
+        ]
+        if self.skipped_duplicate_ids:
+            lines.append(f"  duplicate ids skipped        {self.skipped_duplicate_ids}")
+        return "\n".join(lines)

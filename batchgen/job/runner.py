@@ -1,0 +1,353 @@
+"""Run a job: read rows, build requests, drive the engine, write shards, report.
+
+Three threads, joined by bounded queues so memory stays bounded whatever the dataset's size::
+
+    reader thread:  source batches -> skip rows already in shards -> tokenize / chat template /
+                    per-row params -> request queue (or a ready error row)
+    main thread:    keeps up to ``max_rows_in_flight`` requests in the engine, steps it, turns each
+                    finished request into an output row -> writer queue
+    writer thread:  buffers rows, writes an atomic shard every ``rows_per_shard`` rows (or
+                    ``flush_seconds``), and at the end
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from batchgen.config import EngineConfig
+from batchgen.engine.engine import LLMEngine
+from batchgen.engine.sampler import splitmix64
+from batchgen.job.config import JobConfig, detect_format, input_files
+from batchgen.job.report import JobReport
+from batchgen.job.sink import ShardSink, atomic_write_bytes
+from batchgen.job.source import count_rows, iter_rows, schema_of
+from batchgen.outputs import RequestOutput
+from batchgen.params import BeamSearchParams, SamplingParams
+
+MANIFEST = "_manifest.json"  # "_" prefix: dataset readers skip it
+REPORT = "_report.json"
+_END = object()
+
+
+class JobRefused(RuntimeError):
+    """The output directory holds a run with a different config; the message says what changed."""
+
+
+@dataclass
+class Request:
+    row: dict[str, Any]
+    rid: str
+    token_ids: list[int] | None = None
+    params: SamplingParams | BeamSearchParams | None = None
+    error: str | None = None
+    chat: bool = False
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def stable_seed(seed: int, row_id: str) -> int:
+    h = splitmix64(seed & (2**64 - 1))
+    for byte in row_id.encode():
+        h = splitmix64(h ^ byte)
+    return h & (2**63 - 1)
+
+
+class JobRunner:
+    def __init__(self, cfg: JobConfig, overwrite: bool = False) -> None:
+        self.cfg = cfg
+        self.overwrite = overwrite
+        self.files = input_files(cfg.input.path)
+        self.fmt = detect_format(cfg.input, self.files)
+        self.openai_in = self.fmt == "openai"
+        self.id_key = "custom_id" if self.openai_in else (cfg.input.id_column or "row_index")
+        self.out_dir = Path(cfg.output.path)
+
+    # -- resume / refuse -----------------------------------------------------------------------
+    def _prepare_output(self) -> None:
+        fingerprint = self.cfg.fingerprint()
+        manifest = self.out_dir / MANIFEST
+        if manifest.exists():
+            old = json.loads(manifest.read_text()).get("fingerprint", {})
+            if old != fingerprint:
+                changes = _changed(old, fingerprint)
+                if not self.overwrite:
+                    raise JobRefused(
+                        f"output directory {str(self.out_dir)!r} holds a run with a different config; changed: "
+                        + "; ".join(changes) + ". Use --overwrite to discard it, or another output.path."
+                    )
+                shutil.rmtree(self.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(manifest, json.dumps({"fingerprint": fingerprint, "config": self.cfg.source_file},
+                                                indent=2, default=str).encode())
+
+    # -- request building (reader thread) ------------------------------------------------------
+    def _build(self, tokenizer, row: dict[str, Any], rid: str) -> Request:
+        req = Request(row=row, rid=rid)
+        inp = self.cfg.input
+        try:
+            if "__error__" in row:
+                raise ValueError(row["__error__"])
+            overrides: dict[str, Any] = {}
+            if self.openai_in:
+                body = row.get("body")
+                if not isinstance(body, dict):
+                    raise ValueError("body must be a JSON object")
+                prompt, messages = body.get("prompt"), body.get("messages")
+                overrides = {k: v for k, v in body.items() if k not in ("prompt", "messages", "model", "stream", "user")}
+                if "max_completion_tokens" in overrides:
+                    overrides["max_tokens"] = overrides.pop("max_completion_tokens")
+                if isinstance(prompt, list) and len(prompt) == 1:
+                    prompt = prompt[0]
+            else:
+                prompt = row.get(inp.prompt_column) if inp.prompt_column else None
+                messages = row.get(inp.messages_column) if inp.messages_column else None
+                if inp.params_column and row.get(inp.params_column) is not None:
+                    raw = row[inp.params_column]
+                    overrides = json.loads(raw) if isinstance(raw, str) else dict(raw)
+                    if not isinstance(overrides, dict):
+                        raise ValueError(f"{inp.params_column} must hold an object of generation parameters")
+                    overrides = {k: v for k, v in overrides.items() if v is not None}
+            if messages is not None or (inp.messages_column and not self.openai_in):
+                if not isinstance(messages, list) or not messages:
+                    raise ValueError("messages must be a non-empty list of {role, content} objects")
+                try:
+                    text = tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=self.cfg.run.add_generation_prompt)
+                except Exception as e:  # noqa: BLE001
+                    raise ValueError(f"chat template failed: {e}") from None
+                req.chat = True
+                req.token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                if prompt is None:
+                    raise ValueError("prompt is null")
+                if not isinstance(prompt, str):
+                    raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
+                if not prompt.strip():
+                    raise ValueError("prompt is empty")
+                req.token_ids = tokenizer(prompt)["input_ids"]
+            params = self.cfg.params(overrides)
+            if isinstance(params, SamplingParams) and (params.seed is None or "seed" not in overrides):
+                base = self.cfg.generation.get("seed", self.cfg.engine.get("seed", 0))
+                params.seed = stable_seed(int(base), rid)
+            req.params = params
+        except (ValueError, TypeError) as e:
+            req.error = str(e)
+        return req
+
+    def _reader(self, q: queue.Queue, done: set[str], counts: dict[str, int], stop: threading.Event) -> None:
+        from batchgen.model.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(self.cfg.model)
+        shard = self.cfg.run.shard
+        sh_i, sh_n = (int(x) for x in shard.split("/")) if shard else (0, 1)
+        seen: set[str] = set()
+        position = 0
+        limit = self.cfg.input.limit
+        try:
+            for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
+                for row in batch:
+                    pos = position
+                    position += 1
+                    if limit is not None and pos >= limit:
+                        raise StopIteration
+                    if pos % sh_n != sh_i:
+                        continue
+                    if self.openai_in:
+                        rid = str(row.get("custom_id", pos))
+                    elif self.cfg.input.id_column:
+                        rid = str(row.get(self.cfg.input.id_column))
+                    else:
+                        row["row_index"] = pos
+                        rid = str(pos)
+                    if rid in done:
+                        counts["skipped_done"] += 1
+                        continue
+                    if rid in seen:
+                        counts["duplicate_ids"] += 1
+                        continue
+                    seen.add(rid)
+                    while not stop.is_set():
+                        try:
+                            q.put(self._build(tokenizer, row, rid), timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - the main thread reports it
+            q.put(e)
+        q.put(_END)
+
+    # -- output rows ---------------------------------------------------------------------------
+    def _row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
+        if self.cfg.output.format == "openai":
+            return self._openai_row(req, out, error)
+        row = dict(req.row)
+        row.pop("__error__", None)
+        if out is None:
+            row.update(completions=None, num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
+                       num_generated_tokens=0, error=error)
+            return row
+        comps = [
+            dict(index=c.index, text=c.text, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob,
+                 score=c.score, finish_reason=c.finish_reason)
+            for c in out.outputs
+        ]
+        row.update(completions=comps, num_prompt_tokens=len(out.prompt_token_ids),
+                   num_generated_tokens=sum(len(c.token_ids) for c in out.outputs), error=None)
+        return row
+
+    def _openai_row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
+        rid = req.rid
+        if out is None:
+            return {"id": f"batch_req_{rid}", "custom_id": rid, "response": None,
+                    "error": {"code": "invalid_request", "message": error}}
+        n_gen = sum(len(c.token_ids) for c in out.outputs)
+        if req.chat:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": c.finish_reason} for c in out.outputs]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
+            obj = "text_completion"
+        body = {"id": f"cmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.cfg.model,
+                "choices": choices, "usage": {"prompt_tokens": len(out.prompt_token_ids),
+                                              "completion_tokens": n_gen,
+                                              "total_tokens": len(out.prompt_token_ids) + n_gen}}
+        return {"id": f"batch_req_{rid}", "custom_id": rid,
+                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+    def _writer(self, sink: ShardSink, q: queue.Queue, schema, errors: list[BaseException]) -> None:
+        buf: list[dict[str, Any]] = []
+        last = time.monotonic()
+        per_shard, flush_s = self.cfg.output.rows_per_shard, self.cfg.output.flush_seconds
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=1.0)
+                except queue.Empty:
+                    item = None
+                if item is _END:
+                    break
+                if item is not None:
+                    buf.append(item)
+                if buf and (len(buf) >= per_shard or time.monotonic() - last >= flush_s):
+                    sink.write(buf, schema)
+                    buf, last = [], time.monotonic()
+            if buf:
+                sink.write(buf, schema)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    # -- the job -------------------------------------------------------------------------------
+    def run(self) -> JobReport:
+        self._prepare_output()
+        out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
+        sink = ShardSink(self.out_dir, out_fmt, self.id_key)
+        done = sink.done_ids()
+        t_start = time.perf_counter()
+        engine = LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
+        cap = self.cfg.run.max_rows_in_flight or 4 * engine.cfg.max_num_seqs
+        counts = {"skipped_done": 0, "duplicate_ids": 0}
+        req_q: queue.Queue = queue.Queue(maxsize=max(2 * cap, 64))
+        out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + 64)
+        stop = threading.Event()
+        writer_errors: list[BaseException] = []
+        schema = None if self.openai_in else schema_of(self.files, self.fmt)
+        reader = threading.Thread(target=self._reader, args=(req_q, done, counts, stop), daemon=True)
+        writer = threading.Thread(target=self._writer, args=(sink, out_q, schema, writer_errors), daemon=True)
+        reader.start()
+        writer.start()
+
+        total = count_rows(self.files, self.fmt)
+        if total is not None and self.cfg.input.limit is not None:
+            total = min(total, self.cfg.input.limit)
+        if total is not None and self.cfg.run.shard:
+            i, n = (int(x) for x in self.cfg.run.shard.split("/"))
+            total = len(range(i, total, n))
+        report = JobReport(rows_total=total, rows_previously_done=len(done))
+        bar = tqdm(total=total, initial=len(done), unit="row", desc="batchgen", disable=not self.cfg.run.progress,
+                   dynamic_ncols=True)
+        in_flight: dict[str, Request] = {}
+        reading = True
+        t0 = time.perf_counter()
+        try:
+            while True:
+                while reading and len(in_flight) < cap:
+                    try:
+                        item = req_q.get(block=not in_flight and not engine.has_unfinished(), timeout=0.5)
+                    except queue.Empty:
+                        break
+                    if item is _END:
+                        reading = False
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.error is None:
+                        try:
+                            engine.add_request(item.rid, item.token_ids, item.params)
+                            in_flight[item.rid] = item
+                            report.prompt_tokens += len(item.token_ids)
+                            continue
+                        except ValueError as e:
+                            item.error = str(e)
+                    report.rows_failed += 1
+                    self._put(out_q, self._row(item, None, item.error), writer_errors)
+                    bar.update(1)
+                if engine.has_unfinished():
+                    for out in engine.step():
+                        req = in_flight.pop(out.request_id)
+                        report.rows_ok += 1
+                        report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        self._put(out_q, self._row(req, out, None), writer_errors)
+                        bar.update(1)
+                    elapsed = time.perf_counter() - t0
+                    if elapsed > 0:
+                        bar.set_postfix_str(f"in {report.prompt_tokens / elapsed:.0f} tok/s, "
+                                            f"out {report.generated_tokens / elapsed:.0f} tok/s", refresh=False)
+                elif not reading and not in_flight:
+                    break
+        finally:
+            stop.set()
+            bar.close()
+            self._put(out_q, _END, writer_errors, force=True)
+            writer.join()
+        if writer_errors:
+            raise writer_errors[0]
+        report.wall_s = time.perf_counter() - t_start
+        report.skipped_duplicate_ids = counts["duplicate_ids"]
+        report.fill_engine_stats(engine.stats())
+        report.rows_in_output, report.failed_in_output = sink.totals()
+        atomic_write_bytes(self.out_dir / REPORT, json.dumps(report.to_dict(), indent=2).encode())
+        return report
+
+    @staticmethod
+    def _put(q: queue.Queue, item: Any, errors: list[BaseException], force: bool = False) -> None:
+        while True:
+            if errors and not force:
+                raise errors[0]
+            try:
+                q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue

@@ -1,0 +1,143 @@
+"""Output shards, written atomically (temp file, fsync, rename), so that a shard on disk is always
+complete. The shards are the record of what is done: a restarted job reads their row ids and skips
+those rows, so nothing is lost or written twice whatever the moment the previous run died."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+COMPLETION_TYPE = pa.struct([
+    ("index", pa.int64()),
+    ("text", pa.string()),
+    ("token_ids", pa.list_(pa.int64())),
+    ("cumulative_logprob", pa.float64()),
+    ("score", pa.float64()),
+    ("finish_reason", pa.string()),
+])
+OUTPUT_FIELDS = [
+    pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_generated_tokens", pa.int64()),
+    pa.field("error", pa.string()),
+]
+_SHARD = re.compile(r"^part-(\d+)\.(parquet|jsonl)$")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class ShardSink:
+    """Writes ``part-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards."""
+
+    def __init__(self, out_dir: str | Path, fmt: str, id_key: str) -> None:
+        self.dir = Path(out_dir)
+        self.fmt = fmt
+        self.id_key = id_key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".part-*.tmp"):
+            stale.unlink()
+        self.next_index = max((int(m.group(1)) for m in map(_SHARD.match, os.listdir(self.dir)) if m), default=-1) + 1
+        self.schema: pa.Schema | None = None
+
+    def shards(self) -> list[Path]:
+        return sorted(p for p in self.dir.iterdir() if _SHARD.match(p.name))
+
+    def done_ids(self) -> set[str]:
+        done: set[str] = set()
+        for shard in self.shards():
+            if shard.suffix == ".parquet":
+                col = pq.read_table(shard, columns=[self.id_key]).column(0).to_pylist()
+                done.update(str(v) for v in col)
+            else:
+                with open(shard) as f:
+                    done.update(str(json.loads(line)["custom_id"]) for line in f if line.strip())
+        return done
+
+    def totals(self) -> tuple[int, int]:
+        """(rows, failed rows) over every shard on disk."""
+        rows = failed = 0
+        for shard in self.shards():
+            if shard.suffix == ".parquet":
+                err = pq.read_table(shard, columns=["error"]).column(0)
+                rows += len(err)
+                failed += len(err) - err.null_count
+            else:
+                with open(shard) as f:
+                    for line in f:
+                        if line.strip():
+                            rows += 1
+                            failed += json.loads(line).get("error") is not None
+        return rows, failed
+
+    def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> Path:
+        path = self.dir / f"part-{self.next_index:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
+        self.next_index += 1
+        if self.fmt == "parquet":
+            table = self._table(rows, input_schema)
+            tmp = path.with_name(f".{path.name}.tmp")
+            pq.write_table(table, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(self.dir)
+        else:
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+            atomic_write_bytes(path, data)
+        return path
+
+    def _table(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> pa.Table:
+        if self.schema is None:
+            if input_schema is not None:
+                fields = [f for f in input_schema if f.name not in {o.name for o in OUTPUT_FIELDS}]
+            else:
+                probe = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in {o.name for o in OUTPUT_FIELDS}}
+                                              for r in rows])
+                fields = list(probe.schema)
+            if self.id_key not in [f.name for f in fields]:
+                fields.append(pa.field(self.id_key, pa.int64()))
+            self.schema = pa.schema(fields + OUTPUT_FIELDS)
+        try:
+            return pa.Table.from_pylist(rows, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # A row whose input values do not fit the schema keeps what fits; the rest becomes null.
+            fixed = []
+            for r in rows:
+                try:
+                    pa.Table.from_pylist([r], schema=self.schema)
+                    fixed.append(r)
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    clean = dict(r)
+                    for f in self.schema:
+                        try:
+                            pa.array([clean.get(f.name)], type=f.type)
+                        except (pa.ArrowInvalid, pa.ArrowTypeError):
+                            clean[f.name] = None
+                    fixed.append(clean)
+            return pa.Table.from_pylist(fixed, schema=self.schema)

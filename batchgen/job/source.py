@@ -1,0 +1,143 @@
+"""Input readers. Each yields record batches as lists of row dicts, streaming with bounded memory:
+Parquet files / directories / globs (``pyarrow.dataset``), Arrow IPC / Feather, JSONL, datasets
+saved with ``save_to_disk``, and OpenAI batch-request JSONL (``custom_id`` + ``body``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from batchgen.job.config import InputConfig
+
+
+def _arrow_dataset(files: list[str], fmt: str) -> pads.Dataset:
+    paths: list[str] = []
+    for f in files:
+        p = Path(f)
+        if p.is_dir():
+            suffixes = (".parquet",) if fmt == "parquet" else (".arrow", ".feather", ".ipc")
+            paths.extend(str(x) for x in sorted(p.rglob("*")) if x.suffix in suffixes)
+        else:
+            paths.append(f)
+    if not paths:
+        raise ValueError(f"no {fmt} files found in {files}")
+    if fmt == "arrow":
+        return pads.dataset(paths, format=_ipc_format(paths[0]))
+    return pads.dataset(paths, format="parquet")
+
+
+def _ipc_format(path: str) -> str:
+    """Arrow IPC file (Feather v2) or stream format, by trying the file reader first."""
+    import pyarrow.ipc as ipc
+
+    try:
+        with pa.memory_map(path) as src:
+            ipc.open_file(src)
+        return "ipc"
+    except pa.ArrowInvalid:
+        raise ValueError(f"{path!r} is not an Arrow IPC file (Feather v2); write it with pyarrow.feather or "
+                         "pyarrow.ipc.new_file") from None
+
+
+def _hf_dataset(files: list[str]):
+    from datasets import load_from_disk
+
+    ds = load_from_disk(files[0])
+    if hasattr(ds, "keys"):  # a DatasetDict: take its splits in order
+        import datasets
+
+        ds = datasets.concatenate_datasets([ds[k] for k in ds.keys()])
+    return ds
+
+
+def _jsonl_files(files: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for f in files:
+        p = Path(f)
+        if p.is_dir():
+            out.extend(sorted(x for x in p.rglob("*") if x.suffix in (".jsonl", ".json", ".ndjson")))
+        else:
+            out.append(p)
+    return out
+
+
+def _iter_jsonl(files: list[str], batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    for path in _jsonl_files(files):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError("not a JSON object")
+                except ValueError as e:
+                    row = {"__error__": f"{path.name} line {lineno}: invalid JSON ({e})"}
+                batch.append(row)
+                if len(batch) >= batch_rows:
+                    yield batch
+                    batch = []
+    if batch:
+        yield batch
+
+
+def column_names(inp: InputConfig, files: list[str], fmt: str) -> list[str] | None:
+    """Columns of the input, or None when the format has no fixed schema (JSONL: first row's keys)."""
+    if fmt in ("parquet", "arrow"):
+        return list(_arrow_dataset(files, fmt).schema.names)
+    if fmt == "hf":
+        return list(_hf_dataset(files).column_names)
+    if fmt == "jsonl":
+        for batch in _iter_jsonl(files, 1):
+            return list(batch[0].keys()) if "__error__" not in batch[0] else None
+        return []
+    return None
+
+
+def count_rows(files: list[str], fmt: str) -> int | None:
+    try:
+        if fmt in ("parquet", "arrow"):
+            return _arrow_dataset(files, fmt).count_rows()
+        if fmt == "hf":
+            return len(_hf_dataset(files))
+        if fmt in ("jsonl", "openai"):
+            total = 0
+            for p in _jsonl_files(files):
+                with open(p, "rb") as f:
+                    total += sum(1 for line in f if line.strip())
+            return total
+    except Exception:  # noqa: BLE001 - only for the progress bar
+        return None
+    return None
+
+
+def schema_of(files: list[str], fmt: str) -> pa.Schema | None:
+    if fmt in ("parquet", "arrow"):
+        return _arrow_dataset(files, fmt).schema
+    if fmt == "hf":
+        return _hf_dataset(files).data.schema
+    return None
+
+
+def iter_rows(files: list[str], fmt: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+    """Batches of input rows (dicts), in input order."""
+    if fmt in ("parquet", "arrow"):
+        for rb in _arrow_dataset(files, fmt).to_batches(batch_size=batch_rows):
+            yield rb.to_pylist()
+    elif fmt == "hf":
+        ds = _hf_dataset(files)
+        if getattr(ds, "_indices", None) is not None:
+            ds = ds.flatten_indices()
+        table = ds.data.table if hasattr(ds.data, "table") else ds.data
+        for rb in table.to_batches(max_chunksize=batch_rows):
+            yield rb.to_pylist()
+    elif fmt in ("jsonl", "openai"):
+        yield from _iter_jsonl(files, batch_rows)
+    else:
+        raise ValueError(f"unknown input format {fmt!r}")

@@ -1,0 +1,63 @@
+"""Bad input gets a ValueError naming the parameter and value, before anything enters the engine;
+the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, dtype="float32", device="cpu", max_model_len=64)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=0), "n must be"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(tempreature=1.0), "unknown sampling parameter 'tempreature'.*temperature"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_before_any_work(llm):
+    ok = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["fine", ""], ok)
+    with pytest.raises(ValueError, match="prompt 0: .*token id 99999 is outside the vocabulary"):
+        llm.generate([[1, 99999]], ok)
+    with pytest.raises(ValueError, match="prompt 0: prompt has 80 tokens; .*max_model_len.* is 64"):
+        llm.generate([[5] * 80], ok)
+    with pytest.raises(ValueError, match="prompt 0: prompt is empty"):
+        llm.generate([[]], ok)
+    with pytest.raises(ValueError, match="stop_token_ids has token id 5000"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[5000]))
+    with pytest.raises(ValueError, match="2 parameter sets for 1 prompts"):
+        llm.generate(["a"], [ok, ok])
+    assert not llm.engine.has_unfinished()
+    # the engine still works
+    out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_generation_stops_at_the_model_context(llm):
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_unknown_engine_setting(llama_dir):
+    with pytest.raises(ValueError, match="unknown engine setting 'blok_size'"):
+        LLM(llama_dir, blok_size=16)
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        LLM(llama_dir, block_size=12)
