@@ -46,8 +46,19 @@ def ensure_demo_inputs(root: Path) -> None:
     model = root / "models" / "demo"
     if not (model / "config.json").exists():
         print(f"building a small random-weight Llama model in {model} ...")
-        make_model(model, "llama", seed=0, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
-                   num_heads=4, num_kv_heads=2, max_positions=2048, initializer_range=0.05)
+        make_model(
+            model,
+            "llama",
+            seed=0,
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            max_positions=2048,
+            initializer_range=0.05,
+        )
     data = root / "data" / "demo.parquet"
     if not data.exists():
         import pyarrow as pa
@@ -94,13 +105,22 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batchgen", description="Offline batch generation on a paged engine.")
+    parser = argparse.ArgumentParser(
+        prog="batchgen", description="Offline batch generation on a paged engine."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     job = sub.add_parser("job", help="run a job config (YAML or TOML)")
     job.add_argument("config")
-    job.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set generation.max_tokens=32")
-    job.add_argument("--overwrite", action="store_true", help="discard an output directory made with another config")
+    job.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set generation.max_tokens=32",
+    )
+    job.add_argument(
+        "--overwrite", action="store_true", help="discard an output directory made with another config"
+    )
     job.add_argument("--no-progress", action="store_true", help="no progress bar")
     job.set_defaults(func=cmd_job)
     demo = sub.add_parser("demo", help="build a small local model and prompts, then run jobs/demo.yaml")

@@ -45,9 +45,13 @@ class EngineConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "an integer >= 1")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
             raise bad("max_model_len", "an integer >= 1 or None")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
+        ):
             raise bad("num_kv_blocks", "an integer >= 2 or None")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "in (0, 1]")
@@ -61,5 +65,7 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         for key in kwargs:
             if key not in names:
-                raise ValueError(f"unknown engine setting {key!r}; allowed: {', '.join(sorted(names - {'model'}))}")
+                raise ValueError(
+                    f"unknown engine setting {key!r}; allowed: {', '.join(sorted(names - {'model'}))}"
+                )
         return cls(model=model, **kwargs)

@@ -61,7 +61,9 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
                 if not isinstance(p, (SamplingParams, BeamSearchParams)):
-                    raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(p).__name__}")
+                    raise ValueError(
+                        f"params must be SamplingParams or BeamSearchParams, got {type(p).__name__}"
+                    )
                 _, ids = engine.tokenize(prompt)
                 engine.validate(ids, p)
             except ValueError as e:

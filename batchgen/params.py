@@ -31,7 +31,9 @@ class _Params:
             if key not in names:
                 hint = difflib.get_close_matches(key, sorted(names), n=1)
                 extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ValueError(f"unknown {cls._kind} parameter {key!r}{extra}; allowed: {', '.join(sorted(names))}")
+                raise ValueError(
+                    f"unknown {cls._kind} parameter {key!r}{extra}; allowed: {', '.join(sorted(names))}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
@@ -101,31 +103,58 @@ class SamplingParams(_Params):
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature",
-               self.temperature, ">= 0 (0 means greedy)")
+        _check(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            ">= 0 (0 means greedy)",
+        )
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         # vLLM also accepts -1 for "no top-k"; 0 means the same here.
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "an integer >= 0 (0: disabled)")
         if self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(
+            isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]"
+        )
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-               self.max_tokens, "an integer >= 1 or None")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1 or None",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            self.min_tokens,
+            "an integer >= 0",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"<= max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"<= max_tokens ({self.max_tokens})",
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", self.stop, "a list of non-empty strings")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
-               self.logprobs, "an integer >= 0 or None")
-        _check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            self.logprobs,
+            "an integer >= 0 or None",
+        )
+        _check(
+            isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "> 0",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and -2 <= v <= 2, name, v, "in [-2, 2]")
@@ -164,18 +193,44 @@ class BeamSearchParams(_Params):
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "an integer >= 1")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(
+            _is_int(self.beam_width) and self.beam_width >= 1,
+            "beam_width",
+            self.beam_width,
+            "an integer >= 1",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1",
+        )
         if self.num_return_sequences is None:
             self.num_return_sequences = self.beam_width
-        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
-               "num_return_sequences", self.num_return_sequences, f"an integer in [1, beam_width={self.beam_width}]")
-        _check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
-               "length_penalty", self.length_penalty, "a number")
-        _check(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
-               "early_stopping", self.early_stopping, 'one of True, False, "never"')
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        _check(
+            _is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.beam_width,
+            "num_return_sequences",
+            self.num_return_sequences,
+            f"an integer in [1, beam_width={self.beam_width}]",
+        )
+        _check(
+            isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
+            "length_penalty",
+            self.length_penalty,
+            "a number",
+        )
+        _check(
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never",
+            "early_stopping",
+            self.early_stopping,
+            'one of True, False, "never"',
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
 

@@ -33,8 +33,10 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     specials = ["<pad>", "<s>", "</s>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=max(vocab_size, 3 + 256), special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=max(vocab_size, 3 + 256),
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
@@ -43,20 +45,43 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def make_config(arch: str = "llama", vocab_size: int = 384, hidden_size: int = 64, intermediate_size: int = 128,
-                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 1024,
-                tie_word_embeddings: bool = False, initializer_range: float = 0.2, rope_parameters: dict | None = None,
-                head_dim: int | None = None):
+def make_config(
+    arch: str = "llama",
+    vocab_size: int = 384,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_positions: int = 1024,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.2,
+    rope_parameters: dict | None = None,
+    head_dim: int | None = None,
+):
     import transformers as tf
 
-    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config}
+    cls = {
+        "llama": tf.LlamaConfig,
+        "mistral": tf.MistralConfig,
+        "qwen2": tf.Qwen2Config,
+        "qwen3": tf.Qwen3Config,
+    }
     if arch not in cls:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     kwargs = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         head_dim=head_dim or hidden_size // num_heads,
     )
     if rope_parameters is not None:
@@ -69,8 +94,14 @@ def make_config(arch: str = "llama", vocab_size: int = 384, hidden_size: int = 6
     return config
 
 
-def make_model(path: str | Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
-               tokenizer_vocab: int | None = None, **config_kwargs) -> Path:
+def make_model(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer_vocab: int | None = None,
+    **config_kwargs,
+) -> Path:
     """Write a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -83,11 +114,24 @@ def make_model(path: str | Path, arch: str = "llama", seed: int = 0, max_shard_s
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     build_tokenizer(min(tokenizer_vocab or config.vocab_size, 512)).save_pretrained(str(path))
-    (path / "batchgen_model.json").write_text(json.dumps({"arch": arch, "seed": seed, **config_kwargs}, default=str))
+    (path / "batchgen_model.json").write_text(
+        json.dumps({"arch": arch, "seed": seed, **config_kwargs}, default=str)
+    )
     return path
 
 
 def make_bench_model(path: str | Path) -> Path:
     """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads."""
-    return make_model(path, "llama", seed=0, vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                      num_layers=8, num_heads=8, num_kv_heads=2, max_positions=4096, initializer_range=0.02)
+    return make_model(
+        path,
+        "llama",
+        seed=0,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        max_positions=4096,
+        initializer_range=0.02,
+    )

@@ -47,15 +47,24 @@ class BeamState:
     done: bool = False
 
     @classmethod
-    def start(cls, params: BeamSearchParams, prompt_seq: Sequence, end_ids: list[int], max_length: int) -> BeamState:
+    def start(
+        cls, params: BeamSearchParams, prompt_seq: Sequence, end_ids: list[int], max_length: int
+    ) -> BeamState:
         k = params.beam_width
         running = torch.zeros(k)
         running[1:] = NEG
         return cls(
-            params=params, end_ids=end_ids, prompt_len=prompt_seq.num_prompt_tokens, max_length=max_length,
-            cur_len=prompt_seq.num_prompt_tokens, beams=[prompt_seq] * k, running_scores=running,
-            finished_scores=torch.full((k,), NEG), is_finished=torch.zeros(k, dtype=torch.bool),
-            early_stop_unsatisfied=torch.ones(1, dtype=torch.bool), finished=[None] * k,
+            params=params,
+            end_ids=end_ids,
+            prompt_len=prompt_seq.num_prompt_tokens,
+            max_length=max_length,
+            cur_len=prompt_seq.num_prompt_tokens,
+            beams=[prompt_seq] * k,
+            running_scores=running,
+            finished_scores=torch.full((k,), NEG),
+            is_finished=torch.zeros(k, dtype=torch.bool),
+            early_stop_unsatisfied=torch.ones(1, dtype=torch.bool),
+            finished=[None] * k,
         )
 
     @property
@@ -125,7 +134,8 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
     for g, st in enumerate(states):
         cand[g] = topk_log_probs[g] / ((st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty)
     full = torch.all(is_finished, dim=-1, keepdim=True) & torch.tensor(
-        [[st.params.early_stopping is True] for st in states])
+        [[st.params.early_stopping is True] for st in states]
+    )
     cand += full.to(torch.float32) * NEG
     cand += (~unsatisfied).to(torch.float32) * NEG
     cand += (~just_finished) * NEG
@@ -148,16 +158,24 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
                 c = j - k
                 parent = st.beams[beam_rows[g][c]]
                 tok = id_rows[g][c]
-                new.append(Hypothesis(parent.output_token_ids + [tok], float(new_finished_scores[g, len(new)]),
-                                      lp_rows[g][c], tok in st.end_ids))
+                new.append(
+                    Hypothesis(
+                        parent.output_token_ids + [tok],
+                        float(new_finished_scores[g, len(new)]),
+                        lp_rows[g][c],
+                        tok in st.end_ids,
+                    )
+                )
         st.finished = new
         st.finished_scores = new_finished_scores[g].clone()
         st.is_finished = new_is_finished[g].clone()
-        choices.append(BeamChoice(
-            parents=[st.beams[beam_rows[g][c]] for c in next_rows[g]],
-            tokens=[id_rows[g][c] for c in next_rows[g]],
-            scores=score_rows[g],
-        ))
+        choices.append(
+            BeamChoice(
+                parents=[st.beams[beam_rows[g][c]] for c in next_rows[g]],
+                tokens=[id_rows[g][c] for c in next_rows[g]],
+                scores=score_rows[g],
+            )
+        )
         st.running_scores = next_scores[g].clone()
 
         # g. stopping rule of the whole group

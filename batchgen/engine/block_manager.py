@@ -204,7 +204,9 @@ class BlockManager:
         entry = self.seqs.get(seq_id)
         return entry.table if entry is not None else []
 
-    def match_prefix(self, token_ids: Sequence[int], extra_key: object = None, max_blocks: int | None = None) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_key: object = None, max_blocks: int | None = None
+    ) -> PrefixMatch:
         """Cached leading full blocks of ``token_ids`` (at most ``max_blocks``)."""
         bs = self.block_size
         limit = len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
@@ -280,7 +282,9 @@ class BlockManager:
         for bid in reversed(entry.table):
             self.pool.release(self.pool.blocks[bid])
 
-    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: object = None) -> None:
+    def cache_full_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: object = None
+    ) -> None:
         """Register the hashes of ``seq_id``'s blocks that are now full of computed tokens."""
         entry = self.seqs.get(seq_id)
         if entry is None:

@@ -20,7 +20,7 @@ from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sampler import SampleRow, derive_seed, sample
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from batchgen.engine.stops import StopStringWatcher, check_stop
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner
@@ -71,7 +71,9 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 
@@ -89,7 +91,9 @@ class LLMEngine:
         for name in ("stop_token_ids",):
             for t in getattr(params, name) or []:
                 if t >= self.vocab_size:
-                    raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})")
+                    raise ValueError(
+                        f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})"
+                    )
         max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
         bs = self.block_size
         need = -(-len(token_ids) // bs) + params.group_size * (-(-max_new // bs) + 1)
@@ -100,19 +104,29 @@ class LLMEngine:
                 "raise num_kv_blocks or lower max_tokens / n"
             )
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> None:
         """Validate and queue one request. Raises ValueError (and queues nothing) on bad input."""
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+            raise ValueError(
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         group = SequenceGroup(
-            request_id=request_id, params=params, prompt=text, prompt_token_ids=list(ids),
-            arrival=next(self._arrivals), cache_key=None if self.cfg.enable_prefix_caching else ("req", request_id),
+            request_id=request_id,
+            params=params,
+            prompt=text,
+            prompt_token_ids=list(ids),
+            arrival=next(self._arrivals),
+            cache_key=None if self.cfg.enable_prefix_caching else ("req", request_id),
         )
         seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
         base = seed if seed is not None else int(self._rng.integers(0, 2**63))
-        seq = Sequence(group=group, index=0, token_ids=list(ids), num_prompt_tokens=len(ids), seed=derive_seed(base, 0))
+        seq = Sequence(
+            group=group, index=0, token_ids=list(ids), num_prompt_tokens=len(ids), seed=derive_seed(base, 0)
+        )
         seq.base_seed = base  # type: ignore[attr-defined]
         if isinstance(params, SamplingParams):
             if params.logprobs is not None:
@@ -173,15 +187,27 @@ class LLMEngine:
             for child in children:
                 blocked = []
                 if child.num_output_tokens < params.min_tokens:
-                    blocked = list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids))
-                rows.append(SampleRow(params, child.seed, child.num_output_tokens, child.token_ids,
-                                      child.num_prompt_tokens, blocked))
+                    blocked = list(params.stop_token_ids or []) + (
+                        [] if params.ignore_eos else list(self.eos_ids)
+                    )
+                rows.append(
+                    SampleRow(
+                        params,
+                        child.seed,
+                        child.num_output_tokens,
+                        child.token_ids,
+                        child.num_prompt_tokens,
+                        blocked,
+                    )
+                )
                 targets.append(child)
                 row_index.append(i)
         if len(targets) != len(seqs):
             logits = logits[torch.tensor(row_index, device=logits.device)]
         result = sample(logits, rows)
-        for seq, tok, lp, top in zip(targets, result.tokens, result.logprobs, result.top_logprobs, strict=True):
+        for seq, tok, lp, top in zip(
+            targets, result.tokens, result.logprobs, result.top_logprobs, strict=True
+        ):
             seq.token_ids.append(tok)
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
@@ -192,9 +218,14 @@ class LLMEngine:
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         group = parent.group
         child = Sequence(
-            group=group, index=index, token_ids=list(parent.token_ids), num_prompt_tokens=parent.num_prompt_tokens,
-            seed=derive_seed(parent.base_seed, index), num_computed_tokens=parent.num_computed_tokens,  # type: ignore[attr-defined]
-            status=parent.status, cumulative_logprob=parent.cumulative_logprob,
+            group=group,
+            index=index,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            seed=derive_seed(parent.base_seed, index),
+            num_computed_tokens=parent.num_computed_tokens,  # type: ignore[attr-defined]
+            status=parent.status,
+            cumulative_logprob=parent.cumulative_logprob,
         )
         child.base_seed = parent.base_seed  # type: ignore[attr-defined]
         if parent.logprobs is not None:
@@ -272,13 +303,20 @@ class LLMEngine:
             for i, hyp in enumerate(group.beam.finished[: p.num_return_sequences]):
                 if hyp is None:
                     continue
-                completions.append(CompletionOutput(
-                    index=i, text=self._decode(hyp.token_ids, True), token_ids=hyp.token_ids,
-                    cumulative_logprob=hyp.logprob_sum, logprobs=None,
-                    finish_reason="stop" if hyp.ended_by_token else "length",
-                    stop_reason=hyp.token_ids[-1] if hyp.ended_by_token and hyp.token_ids[-1] not in self.eos_ids else None,
-                    score=hyp.score,
-                ))
+                completions.append(
+                    CompletionOutput(
+                        index=i,
+                        text=self._decode(hyp.token_ids, True),
+                        token_ids=hyp.token_ids,
+                        cumulative_logprob=hyp.logprob_sum,
+                        logprobs=None,
+                        finish_reason="stop" if hyp.ended_by_token else "length",
+                        stop_reason=hyp.token_ids[-1]
+                        if hyp.ended_by_token and hyp.token_ids[-1] not in self.eos_ids
+                        else None,
+                        score=hyp.score,
+                    )
+                )
         else:
             sp: SamplingParams = group.params  # type: ignore[assignment]
             for seq in sorted(group.seqs, key=lambda s: s.index):
@@ -286,14 +324,23 @@ class LLMEngine:
                     text = seq.detok.text[: seq.text_end]
                 else:
                     text = self._decode(seq.output_token_ids, sp.skip_special_tokens)
-                completions.append(CompletionOutput(
-                    index=seq.index, text=text, token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
-                    finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason,
-                ))
+                completions.append(
+                    CompletionOutput(
+                        index=seq.index,
+                        text=text,
+                        token_ids=seq.output_token_ids,
+                        cumulative_logprob=seq.cumulative_logprob,
+                        logprobs=seq.logprobs,
+                        finish_reason=seq.finish_reason or "length",
+                        stop_reason=seq.stop_reason,
+                    )
+                )
         return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-            num_cached_tokens=group.num_cached_tokens or 0, outputs=completions,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            outputs=completions,
         )
 
     # -- statistics ----------------------------------------------------------------------------
@@ -306,7 +353,8 @@ class LLMEngine:
             st["peak_logical_kv_tokens"] = logical
             st["contiguous_reserved_at_peak"] = sum(
                 s.num_prompt_tokens + min(s.group.params.max_tokens or self.max_model_len, self.max_model_len)
-                for s in live)
+                for s in live
+            )
             st["max_len_reserved_at_peak"] = len(live) * self.max_model_len
         if physical > st["peak_physical_kv_slots"]:
             st["peak_physical_kv_slots"] = physical
@@ -314,7 +362,9 @@ class LLMEngine:
             for s in live:
                 table = self.bm.table(s.seq_id)
                 for i, b in enumerate(table):
-                    fill[b] = max(fill.get(b, 0), min(self.block_size, s.num_computed_tokens - i * self.block_size))
+                    fill[b] = max(
+                        fill.get(b, 0), min(self.block_size, s.num_computed_tokens - i * self.block_size)
+                    )
             st["unused_slots_in_held_blocks_at_peak"] = physical - sum(max(f, 0) for f in fill.values())
             # blocks the same sequences would hold without sharing (each its own copy of everything)
             st["unshared_blocks_at_peak"] = sum(-(-s.num_computed_tokens // self.block_size) for s in live)

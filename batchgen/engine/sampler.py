@@ -60,11 +60,15 @@ def _penalize(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> No
     for i in idx:  # one row at a time: only rows that asked for penalties pay for them
         r, p = rows[i], rows[i].params
         out = torch.tensor(r.token_ids[r.num_prompt_tokens :], dtype=torch.long, device=dev)
-        counts = torch.zeros(vocab, device=dev).index_add_(0, out.clamp_(0, vocab - 1), torch.ones(len(out), device=dev))
+        counts = torch.zeros(vocab, device=dev).index_add_(
+            0, out.clamp_(0, vocab - 1), torch.ones(len(out), device=dev)
+        )
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt = torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=dev).clamp_(0, vocab - 1)
+            prompt = torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=dev).clamp_(
+                0, vocab - 1
+            )
             seen[prompt] = True
             pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, pen, row))
@@ -85,8 +89,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     if blocked:
         bi, bt = zip(*blocked, strict=True)
         x[list(bi), list(bt)] = float("-inf")
-    pen = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
-           or r.params.presence_penalty]
+    pen = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+    ]
     if pen:
         _penalize(x, rows, pen)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager, CopyPair, PrefixMatch
-from batchgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
 
 
 class ScheduledSeq(NamedTuple):
@@ -166,7 +166,9 @@ class Scheduler:
             assert copies is not None, "planned allocation failed"
             out.copies.extend(copies)
             seq.status = SeqStatus.RUNNING
-            out.scheduled.append(ScheduledSeq(seq, plan.start, plan.num_new, plan.start + plan.num_new == seq.num_tokens))
+            out.scheduled.append(
+                ScheduledSeq(seq, plan.start, plan.num_new, plan.start + plan.num_new == seq.num_tokens)
+            )
             used += plan.num_new
         return used
 

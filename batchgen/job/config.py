@@ -68,22 +68,40 @@ class JobConfig:
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         values = {**self.generation, **(overrides or {})}
-        return BeamSearchParams.from_dict(values) if "beam_width" in values else SamplingParams.from_dict(values)
+        return (
+            BeamSearchParams.from_dict(values) if "beam_width" in values else SamplingParams.from_dict(values)
+        )
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides the results: a changed value here makes a resume refuse."""
         model = Path(self.model)
-        weights = sorted(
-            (p.name, p.stat().st_size) for p in model.glob("*") if p.suffix in (".safetensors", ".bin", ".json")
-        ) if model.is_dir() else []
+        weights = (
+            sorted(
+                (p.name, p.stat().st_size)
+                for p in model.glob("*")
+                if p.suffix in (".safetensors", ".bin", ".json")
+            )
+            if model.is_dir()
+            else []
+        )
         result_engine = {k: v for k, v in self.engine.items() if k in ("dtype", "max_model_len", "seed")}
         return {
             "model": str(model.resolve()),
             "model_files": hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:16],
             "engine": result_engine,
             "generation": self.generation,
-            "input": {k: getattr(self.input, k) for k in ("path", "format", "prompt_column", "messages_column",
-                                                           "id_column", "params_column", "limit")},
+            "input": {
+                k: getattr(self.input, k)
+                for k in (
+                    "path",
+                    "format",
+                    "prompt_column",
+                    "messages_column",
+                    "id_column",
+                    "params_column",
+                    "limit",
+                )
+            },
             "output_format": self.output.format,
             "shard": self.run.shard,
             "add_generation_prompt": self.run.add_generation_prompt,
@@ -131,8 +149,11 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
         typ = str(allowed[k].type)
         if v is None:
             continue
-        if ("int" in typ and "str" not in typ and (not isinstance(v, int) or isinstance(v, bool))) or (
-            typ in ("str", "str | None") and not isinstance(v, str)) or (typ == "bool" and not isinstance(v, bool)):
+        if (
+            ("int" in typ and "str" not in typ and (not isinstance(v, int) or isinstance(v, bool)))
+            or (typ in ("str", "str | None") and not isinstance(v, str))
+            or (typ == "bool" and not isinstance(v, bool))
+        ):
             problems.append(f"{name}.{k}: wrong type {type(v).__name__} ({typ} expected)")
     try:
         return cls(**kwargs)
@@ -177,7 +198,9 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append(f"model: directory {model!r} does not exist")
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
-        problems.append("input: required section (input.path and input.prompt_column or input.messages_column)")
+        problems.append(
+            "input: required section (input.path and input.prompt_column or input.messages_column)"
+        )
     out = _section(OutputConfig, data.get("output"), "output", problems) if data.get("output") else None
     if data.get("output") is None:
         problems.append("output: required section (output.path)")
@@ -222,7 +245,9 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
                     for key in ("prompt_column", "messages_column", "id_column", "params_column"):
                         col = getattr(inp, key)
                         if col and col not in names:
-                            problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")
+                            problems.append(
+                                f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})"
+                            )
         if inp.batch_rows < 1:
             problems.append("input.batch_rows: must be >= 1")
     if out is not None:
@@ -237,10 +262,21 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         except (ValueError, AssertionError):
             problems.append(f"run.shard: must be 'INDEX/COUNT' with 0 <= INDEX < COUNT, got {run.shard!r}")
     if problems:
-        raise ConfigError("invalid job config" + (f" {source_file!r}" if source_file else "") + ":\n  - "
-                          + "\n  - ".join(problems))
-    return JobConfig(model=model, input=inp, output=out, generation=gen, engine=engine, run=run,  # type: ignore[arg-type]
-                     source_file=source_file)
+        raise ConfigError(
+            "invalid job config"
+            + (f" {source_file!r}" if source_file else "")
+            + ":\n  - "
+            + "\n  - ".join(problems)
+        )
+    return JobConfig(
+        model=model,
+        input=inp,
+        output=out,
+        generation=gen,
+        engine=engine,
+        run=run,  # type: ignore[arg-type]
+        source_file=source_file,
+    )
 
 
 def detect_format(inp: InputConfig, files: list[str]) -> str:
@@ -248,7 +284,11 @@ def detect_format(inp: InputConfig, files: list[str]) -> str:
         return inp.format
     first = Path(files[0])
     if first.is_dir():
-        if (first / "dataset_info.json").exists() or (first / "state.json").exists() or (first / "dataset_dict.json").exists():
+        if (
+            (first / "dataset_info.json").exists()
+            or (first / "state.json").exists()
+            or (first / "dataset_dict.json").exists()
+        ):
             return "hf"
         inner = sorted(first.rglob("*"))
         suffixes = {p.suffix for p in inner if p.is_file()}

@@ -33,7 +33,8 @@ class JobReport:
         d.update(
             generated_tokens_per_s=round(self.tokens_per_s, 2),
             prefix_cache_hit_rate=round(e.get("prefix_cache_hit_tokens", 0) / self.prompt_tokens, 4)
-            if self.prompt_tokens else 0.0,
+            if self.prompt_tokens
+            else 0.0,
             kv_saved_by_sharing=round(e.get("kv_saved_by_sharing", 0.0), 4),
             peak_physical_over_logical=round(physical / logical, 4) if logical else 0.0,
             peak_kv_blocks_used=e.get("peak_blocks_used", 0),
@@ -46,7 +47,11 @@ class JobReport:
         lines = [
             "batchgen job report",
             f"  rows ok / failed (this run)  {self.rows_ok} / {self.rows_failed}"
-            + (f"   (resumed: {self.rows_previously_done} rows were already done)" if self.rows_previously_done else ""),
+            + (
+                f"   (resumed: {self.rows_previously_done} rows were already done)"
+                if self.rows_previously_done
+                else ""
+            ),
             f"  rows in output (failed)      {self.rows_in_output} ({self.failed_in_output})",
             f"  tokens in / out              {self.prompt_tokens} / {self.generated_tokens}",
             f"  wall time                    {self.wall_s:.1f} s   ({d['generated_tokens_per_s']:.1f} generated tokens/s)",

@@ -91,12 +91,17 @@ class JobRunner:
                 if not self.overwrite:
                     raise JobRefused(
                         f"output directory {str(self.out_dir)!r} holds a run with a different config; changed: "
-                        + "; ".join(changes) + ". Use --overwrite to discard it, or another output.path."
+                        + "; ".join(changes)
+                        + ". Use --overwrite to discard it, or another output.path."
                     )
                 shutil.rmtree(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(manifest, json.dumps({"fingerprint": fingerprint, "config": self.cfg.source_file},
-                                                indent=2, default=str).encode())
+        atomic_write_bytes(
+            manifest,
+            json.dumps(
+                {"fingerprint": fingerprint, "config": self.cfg.source_file}, indent=2, default=str
+            ).encode(),
+        )
 
     # -- request building (reader thread) ------------------------------------------------------
     def _build(self, tokenizer, row: dict[str, Any], rid: str) -> Request:
@@ -111,7 +116,11 @@ class JobRunner:
                 if not isinstance(body, dict):
                     raise ValueError("body must be a JSON object")
                 prompt, messages = body.get("prompt"), body.get("messages")
-                overrides = {k: v for k, v in body.items() if k not in ("prompt", "messages", "model", "stream", "user")}
+                overrides = {
+                    k: v
+                    for k, v in body.items()
+                    if k not in ("prompt", "messages", "model", "stream", "user")
+                }
                 if "max_completion_tokens" in overrides:
                     overrides["max_tokens"] = overrides.pop("max_completion_tokens")
                 if isinstance(prompt, list) and len(prompt) == 1:
@@ -130,7 +139,8 @@ class JobRunner:
                     raise ValueError("messages must be a non-empty list of {role, content} objects")
                 try:
                     text = tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=self.cfg.run.add_generation_prompt)
+                        messages, tokenize=False, add_generation_prompt=self.cfg.run.add_generation_prompt
+                    )
                 except Exception as e:  # noqa: BLE001
                     raise ValueError(f"chat template failed: {e}") from None
                 req.chat = True
@@ -205,37 +215,75 @@ class JobRunner:
         row = dict(req.row)
         row.pop("__error__", None)
         if out is None:
-            row.update(completions=None, num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
-                       num_generated_tokens=0, error=error)
+            row.update(
+                completions=None,
+                num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
+                num_generated_tokens=0,
+                error=error,
+            )
             return row
         comps = [
-            dict(index=c.index, text=c.text, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob,
-                 score=c.score, finish_reason=c.finish_reason)
+            dict(
+                index=c.index,
+                text=c.text,
+                token_ids=c.token_ids,
+                cumulative_logprob=c.cumulative_logprob,
+                score=c.score,
+                finish_reason=c.finish_reason,
+            )
             for c in out.outputs
         ]
-        row.update(completions=comps, num_prompt_tokens=len(out.prompt_token_ids),
-                   num_generated_tokens=sum(len(c.token_ids) for c in out.outputs), error=None)
+        row.update(
+            completions=comps,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_generated_tokens=sum(len(c.token_ids) for c in out.outputs),
+            error=None,
+        )
         return row
 
     def _openai_row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
         rid = req.rid
         if out is None:
-            return {"id": f"batch_req_{rid}", "custom_id": rid, "response": None,
-                    "error": {"code": "invalid_request", "message": error}}
+            return {
+                "id": f"batch_req_{rid}",
+                "custom_id": rid,
+                "response": None,
+                "error": {"code": "invalid_request", "message": error},
+            }
         n_gen = sum(len(c.token_ids) for c in out.outputs)
         if req.chat:
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": c.finish_reason} for c in out.outputs]
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                }
+                for c in out.outputs
+            ]
             obj = "chat.completion"
         else:
-            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
+            choices = [
+                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs
+            ]
             obj = "text_completion"
-        body = {"id": f"cmpl-{rid}", "object": obj, "created": int(time.time()), "model": self.cfg.model,
-                "choices": choices, "usage": {"prompt_tokens": len(out.prompt_token_ids),
-                                              "completion_tokens": n_gen,
-                                              "total_tokens": len(out.prompt_token_ids) + n_gen}}
-        return {"id": f"batch_req_{rid}", "custom_id": rid,
-                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+        body = {
+            "id": f"cmpl-{rid}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.cfg.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": n_gen,
+                "total_tokens": len(out.prompt_token_ids) + n_gen,
+            },
+        }
+        return {
+            "id": f"batch_req_{rid}",
+            "custom_id": rid,
+            "response": {"status_code": 200, "request_id": rid, "body": body},
+            "error": None,
+        }
 
     def _writer(self, sink: ShardSink, q: queue.Queue, schema, errors: list[BaseException]) -> None:
         buf: list[dict[str, Any]] = []
@@ -286,8 +334,14 @@ class JobRunner:
             i, n = (int(x) for x in self.cfg.run.shard.split("/"))
             total = len(range(i, total, n))
         report = JobReport(rows_total=total, rows_previously_done=len(done))
-        bar = tqdm(total=total, initial=len(done), unit="row", desc="batchgen", disable=not self.cfg.run.progress,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            initial=len(done),
+            unit="row",
+            desc="batchgen",
+            disable=not self.cfg.run.progress,
+            dynamic_ncols=True,
+        )
         in_flight: dict[str, Request] = {}
         reading = True
         t0 = time.perf_counter()
@@ -323,8 +377,11 @@ class JobRunner:
                         bar.update(1)
                     elapsed = time.perf_counter() - t0
                     if elapsed > 0:
-                        bar.set_postfix_str(f"in {report.prompt_tokens / elapsed:.0f} tok/s, "
-                                            f"out {report.generated_tokens / elapsed:.0f} tok/s", refresh=False)
+                        bar.set_postfix_str(
+                            f"in {report.prompt_tokens / elapsed:.0f} tok/s, "
+                            f"out {report.generated_tokens / elapsed:.0f} tok/s",
+                            refresh=False,
+                        )
                 elif not reading and not in_flight:
                     break
         finally:

@@ -13,14 +13,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-COMPLETION_TYPE = pa.struct([
-    ("index", pa.int64()),
-    ("text", pa.string()),
-    ("token_ids", pa.list_(pa.int64())),
-    ("cumulative_logprob", pa.float64()),
-    ("score", pa.float64()),
-    ("finish_reason", pa.string()),
-])
+COMPLETION_TYPE = pa.struct(
+    [
+        ("index", pa.int64()),
+        ("text", pa.string()),
+        ("token_ids", pa.list_(pa.int64())),
+        ("cumulative_logprob", pa.float64()),
+        ("score", pa.float64()),
+        ("finish_reason", pa.string()),
+    ]
+)
 OUTPUT_FIELDS = [
     pa.field("completions", pa.list_(COMPLETION_TYPE)),
     pa.field("num_prompt_tokens", pa.int64()),
@@ -63,7 +65,9 @@ class ShardSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".part-*.tmp"):
             stale.unlink()
-        self.next_index = max((int(m.group(1)) for m in map(_SHARD.match, os.listdir(self.dir)) if m), default=-1) + 1
+        self.next_index = (
+            max((int(m.group(1)) for m in map(_SHARD.match, os.listdir(self.dir)) if m), default=-1) + 1
+        )
         self.schema: pa.Schema | None = None
 
     def shards(self) -> list[Path]:
@@ -117,8 +121,9 @@ class ShardSink:
             if input_schema is not None:
                 fields = [f for f in input_schema if f.name not in {o.name for o in OUTPUT_FIELDS}]
             else:
-                probe = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in {o.name for o in OUTPUT_FIELDS}}
-                                              for r in rows])
+                probe = pa.Table.from_pylist(
+                    [{k: v for k, v in r.items() if k not in {o.name for o in OUTPUT_FIELDS}} for r in rows]
+                )
                 fields = list(probe.schema)
             if self.id_key not in [f.name for f in fields]:
                 fields.append(pa.field(self.id_key, pa.int64()))

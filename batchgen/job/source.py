@@ -40,8 +40,10 @@ def _ipc_format(path: str) -> str:
             ipc.open_file(src)
         return "ipc"
     except pa.ArrowInvalid:
-        raise ValueError(f"{path!r} is not an Arrow IPC file (Feather v2); write it with pyarrow.feather or "
-                         "pyarrow.ipc.new_file") from None
+        raise ValueError(
+            f"{path!r} is not an Arrow IPC file (Feather v2); write it with pyarrow.feather or "
+            "pyarrow.ipc.new_file"
+        ) from None
 
 
 def _hf_dataset(files: list[str]):

@@ -53,7 +53,9 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store each token's K/V in its slot."""
     kvh, d = k.shape[1], k.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
@@ -93,7 +95,11 @@ class TorchAttention:
         if window is not None:
             mask &= pos[None, :] > ctx - 1 - window
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+            q.unsqueeze(2),
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
             enable_gqa=keys.shape[1] != q.shape[1],
         )
         return o.squeeze(2)

@@ -27,9 +27,13 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return inv_freq, 1.0
     if rope_type == "dynamic":
-        raise ValueError("rope_type 'dynamic' is not supported (its frequencies change with the sequence length)")
+        raise ValueError(
+            "rope_type 'dynamic' is not supported (its frequencies change with the sequence length)"
+        )
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
+        )
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq.float(), float(scaling)
 

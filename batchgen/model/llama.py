@@ -31,7 +31,9 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config, model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self, config, model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int
+    ) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
         self.num_layers = config.num_hidden_layers
@@ -91,7 +93,9 @@ class LlamaModel:
                     q_norm=take(p + "self_attn.q_norm.weight", optional=True),
                     k_norm=take(p + "self_attn.k_norm.weight", optional=True),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
+                    gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
                     down=take(p + "mlp.down_proj.weight"),
                     sliding_window=windows[i],
                 )
@@ -131,7 +135,9 @@ class LlamaModel:
                 k = rms_norm(k, lw.k_norm, self.eps)
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-            o = backend.forward(q, k, v.contiguous(), kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window)
+            o = backend.forward(
+                q, k, v.contiguous(), kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window
+            )
             x = residual + F.linear(o.reshape(t, h * d), lw.o_proj)
             residual = x
             y = rms_norm(x, lw.post_norm, self.eps)

@@ -23,7 +23,9 @@ def load_config(model_dir: str | os.PathLike):
 
     path = Path(model_dir)
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist (batchgen loads local directories only)")
+        raise ModelLoadError(
+            f"model directory {str(path)!r} does not exist (batchgen loads local directories only)"
+        )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
     try:
@@ -67,7 +69,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     found = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if found:
         return found
-    raise ModelLoadError(f"model directory {str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)")
+    raise ModelLoadError(
+        f"model directory {str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)"
+    )
 
 
 def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:

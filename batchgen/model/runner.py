@@ -56,13 +56,22 @@ class ModelRunner:
         m = self.model
         self.kv_cache = torch.empty(
             (m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim),
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     @property
     def bytes_per_block(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
+        return (
+            2
+            * m.num_layers
+            * self.block_size
+            * m.num_kv_heads
+            * m.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
 
     def _blocks_from_memory(self, max_model_len: int) -> int:
         if self.device.type == "cuda":
@@ -81,7 +90,9 @@ class ModelRunner:
         dst = torch.tensor([c.dst for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def execute(self, scheduled: list[ScheduledSeq], copies: list[CopyPair], bm: BlockManager) -> torch.Tensor:
+    def execute(
+        self, scheduled: list[ScheduledSeq], copies: list[CopyPair], bm: BlockManager
+    ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order."""
         self.copy_blocks(copies)
         decode = [s for s in scheduled if s.num_new_tokens == 1]
@@ -128,8 +139,11 @@ class ModelRunner:
             )
 
         hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev),
-            self.kv_cache, meta, self.backend,
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_cache,
+            meta,
+            self.backend,
         )
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(order)}

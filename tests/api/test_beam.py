@@ -20,8 +20,15 @@ PROMPTS = [[1, 5, 6, 7], [_rng.randrange(3, 24) for _ in range(19)], [9]]
 
 def hf_beam(path, prompt, k, nr, lp, es, max_new=MAX_NEW, min_new=0):
     model = hf_model(path)
-    kwargs = dict(num_beams=k, num_return_sequences=nr, max_new_tokens=max_new, do_sample=False,
-                  return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+    kwargs = dict(
+        num_beams=k,
+        num_return_sequences=nr,
+        max_new_tokens=max_new,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        pad_token_id=0,
+    )
     if k > 1:
         kwargs.update(length_penalty=lp, early_stopping=es)
     if min_new:
@@ -29,7 +36,7 @@ def hf_beam(path, prompt, k, nr, lp, es, max_new=MAX_NEW, min_new=0):
     with torch.no_grad():
         g = model.generate(torch.tensor([prompt]), **kwargs)
     seqs = []
-    for row in g.sequences[:, len(prompt):].tolist():
+    for row in g.sequences[:, len(prompt) :].tolist():
         # transformers pads finished hypotheses with pad or EOS (pad_token_id=0 is falsy there: EOS)
         while row and row[-1] == 2 and row.count(2) > 1 and row[-2] == 2:
             row.pop()
@@ -58,12 +65,17 @@ def test_beam_matches_transformers(beam_model_dirs, arch):
     llm = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8)
     combos = list(itertools.product(WIDTHS, PENALTIES, EARLY))
     if arch != "llama":  # the full matrix on one architecture, a spread on the others
-        combos = combos[arch_offset(arch)::3]
+        combos = combos[arch_offset(arch) :: 3]
     ended_early = 0
     for k, lp, es in combos:
         for nr in sorted({max(1, k // 2), k}):
-            params = BeamSearchParams(beam_width=k, num_return_sequences=nr, max_tokens=MAX_NEW,
-                                      length_penalty=lp, early_stopping=es)
+            params = BeamSearchParams(
+                beam_width=k,
+                num_return_sequences=nr,
+                max_tokens=MAX_NEW,
+                length_penalty=lp,
+                early_stopping=es,
+            )
             outs = llm.generate(PROMPTS, params)
             for prompt, out in zip(PROMPTS, outs):
                 seqs, scores = hf_beam(path, prompt, k, nr, lp, es)
@@ -82,9 +94,17 @@ def test_beam_min_tokens_and_mixed_batch_with_sampling(beam_model_dirs):
     llm = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8)
     sample = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=11)
     alone = llm.generate([PROMPTS[1]], sample)[0]
-    beams = [BeamSearchParams(beam_width=4, num_return_sequences=2, max_tokens=MAX_NEW, early_stopping="never",
-                              length_penalty=0.5, min_tokens=3),
-             BeamSearchParams(beam_width=2, max_tokens=MAX_NEW)]
+    beams = [
+        BeamSearchParams(
+            beam_width=4,
+            num_return_sequences=2,
+            max_tokens=MAX_NEW,
+            early_stopping="never",
+            length_penalty=0.5,
+            min_tokens=3,
+        ),
+        BeamSearchParams(beam_width=2, max_tokens=MAX_NEW),
+    ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
     params = [beams[0], sample, beams[1], beams[0]]
     outs = llm.generate(prompts, params)
@@ -96,8 +116,15 @@ def test_beam_min_tokens_and_mixed_batch_with_sampling(beam_model_dirs):
 
 def test_beam_under_preemption(beam_model_dirs):
     path = beam_model_dirs["qwen3"]
-    llm = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8, num_kv_blocks=20,
-              enable_prefix_caching=False)
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        debug_checks=True,
+        block_size=8,
+        num_kv_blocks=20,
+        enable_prefix_caching=False,
+    )
     prompts = [[_rng.randrange(3, 24) for _ in range(n)] for n in (9, 17, 23, 30)]
     params = BeamSearchParams(beam_width=4, max_tokens=12, early_stopping="never")
     outs = llm.generate(prompts, params)
@@ -110,19 +137,24 @@ def test_beam_under_preemption(beam_model_dirs):
 def test_beams_share_blocks_copy_on_write(beam_model_dirs):
     path = beam_model_dirs["llama"]
     llm = LLM(path, dtype="float32", device="cpu", block_size=8)
-    llm.generate([[_rng.randrange(3, 24) for _ in range(60)]],
-                 BeamSearchParams(beam_width=4, max_tokens=16, early_stopping="never", ignore_eos=True))
+    llm.generate(
+        [[_rng.randrange(3, 24) for _ in range(60)]],
+        BeamSearchParams(beam_width=4, max_tokens=16, early_stopping="never", ignore_eos=True),
+    )
     s = llm.stats()
     assert s["cow_copies"] > 0
     assert s["peak_physical_kv_slots"] <= 0.5 * s["peak_logical_kv_tokens"]
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(beam_width=0), "beam_width"),
-    (dict(beam_width=2, num_return_sequences=3), "num_return_sequences"),
-    (dict(early_stopping="sometimes"), "early_stopping"),
-    (dict(max_tokens=0), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(beam_width=0), "beam_width"),
+        (dict(beam_width=2, num_return_sequences=3), "num_return_sequences"),
+        (dict(early_stopping="sometimes"), "early_stopping"),
+        (dict(max_tokens=0), "max_tokens"),
+    ],
+)
 def test_invalid_beam_settings_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**bad)

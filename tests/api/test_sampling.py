@@ -41,8 +41,10 @@ def test_seeded_request_is_independent_of_the_batch(llm):
     target = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     alone = llm.generate([PROMPTS[1]], target)[0].outputs[0].token_ids
     others = [[_rng.randrange(3, 384) for _ in range(_rng.randrange(1, 60))] for _ in range(64)]
-    params = [SamplingParams(temperature=1.0, max_tokens=_rng.randrange(1, 20), n=_rng.choice([1, 2]))
-              for _ in others]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=_rng.randrange(1, 20), n=_rng.choice([1, 2]))
+        for _ in others
+    ]
     outs = llm.generate(others[:30] + [PROMPTS[1]] + others[30:], params[:30] + [target] + params[30:])
     assert outs[30].outputs[0].token_ids == alone
     # and again under preemption pressure with a small pool
@@ -60,9 +62,14 @@ def test_unseeded_requests_differ_and_seeds_differ(llm):
     assert s1[0].outputs[0].token_ids != s2[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("params", [
-    dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_k=1),
+        dict(top_p=1e-6),
+        dict(min_p=1.0),
+    ],
+)
 def test_truncation_to_one_token_is_greedy(llm, llama_dir, params):
     out = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, **params))
     for prompt, o in zip(PROMPTS, out):
@@ -74,8 +81,12 @@ def test_sampled_frequencies_follow_the_model_distribution(llm, llama_dir):
     with torch.no_grad():
         probs = torch.softmax(hf_model(llama_dir)(torch.tensor([prompt])).logits[0, -1] / 1.5, -1)
     n = 600
-    out = llm.generate([prompt], SamplingParams(n=n, temperature=1.5, max_tokens=1, ignore_eos=True, seed=0))[0]
-    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=probs.shape[0]).float()
+    out = llm.generate([prompt], SamplingParams(n=n, temperature=1.5, max_tokens=1, ignore_eos=True, seed=0))[
+        0
+    ]
+    counts = torch.bincount(
+        torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=probs.shape[0]
+    ).float()
     top = probs.topk(3).indices
     for t in top:
         p = float(probs[t])
@@ -94,10 +105,22 @@ def test_top_k_samples_only_from_the_top_k(llm, llama_dir):
 def test_repetition_penalty_matches_transformers(llm, llama_dir):
     model = hf_model(llama_dir)
     for prompt in PROMPTS:
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, repetition_penalty=1.8,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.8,
-                                                    ignore_eos=True))[0].outputs[0].token_ids
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=False,
+            repetition_penalty=1.8,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        got = (
+            llm.generate(
+                [prompt],
+                SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.8, ignore_eos=True),
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
         assert got == ref
 
 
@@ -111,8 +134,12 @@ def test_presence_and_frequency_penalties_follow_their_definition(llm, llama_dir
         for t in set(ids):
             logits[t] -= 0.7 * ids.count(t) + 1.1
         ids.append(int(logits.argmax()))
-    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, frequency_penalty=0.7,
-                                                presence_penalty=1.1, ignore_eos=True))[0].outputs[0]
+    got = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=10, frequency_penalty=0.7, presence_penalty=1.1, ignore_eos=True
+        ),
+    )[0].outputs[0]
     assert got.token_ids == ids
 
 
@@ -121,12 +148,15 @@ def test_stop_token_ids_min_tokens_and_eos(llm, llama_dir):
     ref = hf_greedy(llama_dir, prompt, 12)
     stop_tok = ref[4]
     first = ref.index(stop_tok)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[
+        0
+    ].outputs[0]
     assert out.token_ids == ref[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # min_tokens masks the stop token until enough tokens exist
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
-                                                stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, min_tokens=12, stop_token_ids=[stop_tok])
+    )[0].outputs[0]
     assert len(out.token_ids) == 12 and stop_tok not in out.token_ids
     # EOS ends a completion and is kept in token_ids (vLLM), unless ignore_eos
     eos_prompt = None
@@ -147,19 +177,26 @@ def test_stop_strings(llm, llama_dir):
     text = full.text
     assert len(text) > 6
     stop = text[3:6]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
-    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop=stop, ignore_eos=True,
-                                                 include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=16, stop=stop, ignore_eos=True, include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
 def test_logprobs_are_the_raw_model_distribution(llm, llama_dir):
     prompt = PROMPTS[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.8, max_tokens=4, logprobs=3, seed=5,
-                                                ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.8, max_tokens=4, logprobs=3, seed=5, ignore_eos=True)
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     with torch.no_grad():
         logp = torch.log_softmax(hf_model(llama_dir)(torch.tensor([prompt + out.token_ids])).logits[0], -1)

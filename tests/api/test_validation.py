@@ -13,19 +13,22 @@ def llm(llama_dir):
     return LLM(llama_dir, dtype="float32", device="cpu", max_model_len=64)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n=0), "n must be"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-3), "top_k"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(tempreature=1.0), "unknown sampling parameter 'tempreature'.*temperature"),
-    (dict(presence_penalty=3.0), "presence_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n=0), "n must be"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(tempreature=1.0), "unknown sampling parameter 'tempreature'.*temperature"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.engine.block_manager import BlockManager, CopyPair, FreeBlockQueue, Block
+from batchgen.engine.block_manager import Block, BlockManager, CopyPair, FreeBlockQueue
 
 BS = 4
 
@@ -142,8 +142,11 @@ def test_out_of_blocks_changes_nothing():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["new", "fork", "append", "free", "preempt"]), st.integers(0, 7), st.integers(1, 9)),
-    min_size=1, max_size=60,
+    st.tuples(
+        st.sampled_from(["new", "fork", "append", "free", "preempt"]), st.integers(0, 7), st.integers(1, 9)
+    ),
+    min_size=1,
+    max_size=60,
 )
 
 

@@ -104,6 +104,7 @@ def test_preemption_takes_newest_group_whole_and_requeues_it_first():
     # the old group keeps running; the new one resumes once blocks come back
     assert [s.seq.group for s in out.scheduled] == [old]
     from batchgen.engine.sequence import SeqStatus
+
     sched.free_seq(old.seqs[0])
     sched.remove_finished()
     total = new.seqs[0].num_tokens

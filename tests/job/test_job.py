@@ -24,14 +24,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_job(config: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=config.parent)
+    return subprocess.run(
+        [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=config.parent,
+    )
 
 
 def write_config(tmp: Path, model: str, input_spec: dict, generation: dict, name="job.yaml", **more) -> Path:
-    cfg = {"model": model, "engine": {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 256},
-           "input": input_spec, "generation": generation, "output": {"path": str(tmp / "out"), **more.pop("output", {})},
-           **more}
+    cfg = {
+        "model": model,
+        "engine": {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 256},
+        "input": input_spec,
+        "generation": generation,
+        "output": {"path": str(tmp / "out"), **more.pop("output", {})},
+        **more,
+    }
     path = tmp / name
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -44,8 +55,21 @@ def read_output(out: Path) -> list[dict]:
     return rows
 
 
-ROWS = [{"id": f"r{i}", "prompt": p, "extra": i} for i, p in enumerate(
-    ["hello world", "the cat sat", "", None, "once upon a time there was", "x" * 400, "two plus two", "fox"])]
+ROWS = [
+    {"id": f"r{i}", "prompt": p, "extra": i}
+    for i, p in enumerate(
+        [
+            "hello world",
+            "the cat sat",
+            "",
+            None,
+            "once upon a time there was",
+            "x" * 400,
+            "two plus two",
+            "fox",
+        ]
+    )
+]
 BAD = {"r2": "prompt is empty", "r3": "prompt is null", "r5": "max_model_len"}
 
 
@@ -86,7 +110,9 @@ def test_input_formats_and_bad_rows(tmp_path, llama_dir, fmt):
 
         path = tmp_path / "hf_ds"
         Dataset.from_list(ROWS).save_to_disk(str(path))
-    config = write_config(tmp_path, llama_dir, {"path": str(path), "prompt_column": "prompt", "id_column": "id"}, GEN)
+    config = write_config(
+        tmp_path, llama_dir, {"path": str(path), "prompt_column": "prompt", "id_column": "id"}, GEN
+    )
     res = run_job(config)
     assert res.returncode == 0, res.stderr
     assert "rows ok / failed (this run)  5 / 3" in res.stdout
@@ -98,15 +124,29 @@ def test_input_formats_and_bad_rows(tmp_path, llama_dir, fmt):
 def test_config_errors_exit_2_with_one_message(tmp_path, llama_dir):
     data = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), data)
-    config = write_config(tmp_path, llama_dir, {"path": str(data), "prompt_column": "text", "colour": 1},
-                          {"temperature": -1}, bogus=3)
+    config = write_config(
+        tmp_path,
+        llama_dir,
+        {"path": str(data), "prompt_column": "text", "colour": 1},
+        {"temperature": -1},
+        bogus=3,
+    )
     res = run_job(config)
     assert res.returncode == 2
-    for needle in ("bogus: unknown top-level key", "input.colour: unknown key", "temperature must be >= 0",
-                   "input.prompt_column: column 'text' is not in the data"):
+    for needle in (
+        "bogus: unknown top-level key",
+        "input.colour: unknown key",
+        "temperature must be >= 0",
+        "input.prompt_column: column 'text' is not in the data",
+    ):
         assert needle in res.stderr, res.stderr
-    missing = write_config(tmp_path, str(tmp_path / "no-model"), {"path": str(tmp_path / "nothing.parquet"),
-                                                                  "prompt_column": "p"}, {}, name="m.yaml")
+    missing = write_config(
+        tmp_path,
+        str(tmp_path / "no-model"),
+        {"path": str(tmp_path / "nothing.parquet"), "prompt_column": "p"},
+        {},
+        name="m.yaml",
+    )
     res = run_job(missing)
     assert res.returncode == 2 and "does not exist" in res.stderr and "nothing found at" in res.stderr
 
@@ -115,8 +155,13 @@ def _kill_and_resume(tmp_path, config, kills, rng):
     partial = []
     for _ in range(kills):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen([sys.executable, "-m", "batchgen", "job", str(config), "--no-progress"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=config.parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=config.parent,
+        )
         # wait until this run has written something, then kill it at a random moment
         before = len(list((tmp_path / "out").glob("part-*"))) if (tmp_path / "out").exists() else 0
         deadline = time.time() + 60
@@ -137,21 +182,37 @@ def _kill_and_resume(tmp_path, config, kills, rng):
     return res
 
 
-@pytest.mark.parametrize("generation", [
-    {"n": 2, "temperature": 1.0, "top_p": 0.9, "max_tokens": 24, "seed": 7, "ignore_eos": True},
-    {"temperature": 0, "max_tokens": 24, "ignore_eos": True},
-], ids=["seeded", "greedy"])
+@pytest.mark.parametrize(
+    "generation",
+    [
+        {"n": 2, "temperature": 1.0, "top_p": 0.9, "max_tokens": 24, "seed": 7, "ignore_eos": True},
+        {"temperature": 0, "max_tokens": 24, "ignore_eos": True},
+    ],
+    ids=["seeded", "greedy"],
+)
 def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
     rng = random.Random(hash(str(generation)) & 0xFFFF)
-    rows = [{"id": i, "prompt": " ".join(rng.choice(["cat", "dog", "the", "a", "fox", "sat"]) for _ in range(
-        rng.randint(1, 30)))} for i in range(600)]
+    rows = [
+        {
+            "id": i,
+            "prompt": " ".join(
+                rng.choice(["cat", "dog", "the", "a", "fox", "sat"]) for _ in range(rng.randint(1, 30))
+            ),
+        }
+        for i in range(600)
+    ]
     rows[17]["prompt"] = ""
     data = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     spec = {"path": str(data), "prompt_column": "prompt", "id_column": "id"}
     out_opts = {"rows_per_shard": 7, "flush_seconds": 0.5}
-    ref_cfg = write_config(tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else tmp_path, llama_dir, spec,
-                           generation, output=out_opts)
+    ref_cfg = write_config(
+        tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else tmp_path,
+        llama_dir,
+        spec,
+        generation,
+        output=out_opts,
+    )
     assert run_job(ref_cfg).returncode == 0
     ref = {r["id"]: r for r in read_output(tmp_path / "ref" / "out")}
 
@@ -167,8 +228,9 @@ def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
         want = ref[r["id"]]["completions"] or []
         have = r["completions"] or []
         # equal tokens and text; log-probabilities equal up to float rounding (batch composition differs)
-        assert [(c["token_ids"], c["text"], c["finish_reason"]) for c in have] == \
-            [(c["token_ids"], c["text"], c["finish_reason"]) for c in want], r["id"]
+        assert [(c["token_ids"], c["text"], c["finish_reason"]) for c in have] == [
+            (c["token_ids"], c["text"], c["finish_reason"]) for c in want
+        ], r["id"]
         for a, b in zip(have, want):
             assert abs(a["cumulative_logprob"] - b["cumulative_logprob"]) < 1e-4
         assert r["error"] == ref[r["id"]]["error"]
@@ -178,7 +240,9 @@ def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
 def test_changed_config_is_refused_unless_overwrite(tmp_path, llama_dir):
     data = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), data)
-    config = write_config(tmp_path, llama_dir, {"path": str(data), "prompt_column": "prompt", "id_column": "id"}, GEN)
+    config = write_config(
+        tmp_path, llama_dir, {"path": str(data), "prompt_column": "prompt", "id_column": "id"}, GEN
+    )
     assert run_job(config).returncode == 0
     again = run_job(config)
     assert again.returncode == 0 and "resumed: 8 rows were already done" in again.stdout
@@ -193,16 +257,22 @@ def test_changed_config_is_refused_unless_overwrite(tmp_path, llama_dir):
 def test_messages_column_and_row_overrides(tmp_path, llama_dir):
     rows = [
         {"id": 0, "messages": [{"role": "user", "content": "hi"}], "params": {"max_tokens": 3}},
-        {"id": 1, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}],
-         "params": {"max_tokens": 5}},
+        {
+            "id": 1,
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}],
+            "params": {"max_tokens": 5},
+        },
         {"id": 2, "messages": [], "params": {"max_tokens": 2}},
         {"id": 3, "messages": [{"role": "user", "content": "x"}], "params": {"max_tokens": -1}},
     ]
     data = tmp_path / "chat.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
-    config = write_config(tmp_path, llama_dir, {"path": str(data), "messages_column": "messages", "id_column": "id",
-                                                "params_column": "params"},
-                          {"temperature": 0, "max_tokens": 8, "ignore_eos": True})
+    config = write_config(
+        tmp_path,
+        llama_dir,
+        {"path": str(data), "messages_column": "messages", "id_column": "id", "params_column": "params"},
+        {"temperature": 0, "max_tokens": 8, "ignore_eos": True},
+    )
     res = run_job(config)
     assert res.returncode == 0, res.stderr
     out = {r["id"]: r for r in read_output(tmp_path / "out")}
@@ -218,16 +288,29 @@ def test_messages_column_and_row_overrides(tmp_path, llama_dir):
 
 def test_openai_batch_format_in_and_out(tmp_path, llama_dir):
     reqs = [
-        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "m", "prompt": "hello there", "max_tokens": 3, "temperature": 0}},
-        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}},
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "hello there", "max_tokens": 3, "temperature": 0},
+        },
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 2,
+            },
+        },
         {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": ""}},
     ]
     data = tmp_path / "batch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    config = write_config(tmp_path, llama_dir, {"path": str(data)}, {"ignore_eos": True},
-                          output={"format": "openai"})
+    config = write_config(
+        tmp_path, llama_dir, {"path": str(data)}, {"ignore_eos": True}, output={"format": "openai"}
+    )
     res = run_job(config)
     assert res.returncode == 0, res.stderr
     lines = [json.loads(line) for f in sorted((tmp_path / "out").glob("part-*.jsonl")) for line in f.open()]

@@ -20,7 +20,11 @@ PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56,
 
 def greedy(path, **kw):
     llm = LLM(str(path), dtype="float32", device="cpu", **kw)
-    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    return (
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -30,16 +34,26 @@ def test_sharded_checkpoint(tmp_path):
 
 
 def test_tied_embeddings_and_llama3_rope(tmp_path):
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     path = make_model(tmp_path / "tied", "llama", seed=6, tie_word_embeddings=True, rope_parameters=rope)
     assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
     assert greedy(path) == hf_greedy(str(path), PROMPT, 8)
 
 
 def test_linear_rope_qwen2(tmp_path):
-    path = make_model(tmp_path / "lin", "qwen2", seed=7, rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                                           "rope_theta": 10000.0})
+    path = make_model(
+        tmp_path / "lin",
+        "qwen2",
+        seed=7,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    )
     assert greedy(path) == hf_greedy(str(path), PROMPT, 8)
 
 
