@@ -33,8 +33,14 @@ def make_rows(path: Path, n: int) -> None:
     words = ["cat", "dog", "the", "a", "fox", "sat", "on", "mat", "quick", "brown"]
     writer = None
     for start in range(0, n, 10_000):
-        rows = [{"id": i, "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(3, 20))),
-                 "payload": "x" * 200} for i in range(start, min(n, start + 10_000))]
+        rows = [
+            {
+                "id": i,
+                "prompt": " ".join(rng.choice(words) for _ in range(rng.randint(3, 20))),
+                "payload": "x" * 200,
+            }
+            for i in range(start, min(n, start + 10_000))
+        ]
         table = pa.Table.from_pylist(rows)
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)
@@ -57,22 +63,37 @@ def main() -> None:
     for n in args.rows:
         data = tmp / f"rows-{n}.parquet"
         make_rows(data, n)
-        cfg = {"model": model, "engine": {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 4096,
-                                          "num_kv_blocks": 2048},
-               "input": {"path": str(data), "prompt_column": "prompt", "id_column": "id"},
-               "generation": {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True},
-               "output": {"path": str(tmp / f"out-{n}"), "rows_per_shard": 5000}}
+        cfg = {
+            "model": model,
+            "engine": {
+                "dtype": "float32",
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 4096,
+                "num_kv_blocks": 2048,
+            },
+            "input": {"path": str(data), "prompt_column": "prompt", "id_column": "id"},
+            "generation": {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True},
+            "output": {"path": str(tmp / f"out-{n}"), "rows_per_shard": 5000},
+        }
         cfg_path = tmp / f"job-{n}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
         res = subprocess.run([sys.executable, "-c", CHILD, str(cfg_path)], capture_output=True, text=True)
         if res.returncode != 0:
             sys.exit(res.stderr)
-        peak_kb = int(next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("PEAK_RSS_KB")))
+        peak_kb = int(
+            next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("PEAK_RSS_KB"))
+        )
         report = json.loads((tmp / f"out-{n}" / "_report.json").read_text())
-        results[n] = {"peak_rss_mib": round(peak_kb / 1024, 1), "rows_in_output": report["rows_in_output"],
-                      "wall_s": round(report["wall_s"], 1)}
-        print(f"{n:>8} rows: peak RSS {peak_kb / 1024:8.1f} MiB, {report['rows_in_output']} rows out, "
-              f"{report['wall_s']:.1f} s", flush=True)
+        results[n] = {
+            "peak_rss_mib": round(peak_kb / 1024, 1),
+            "rows_in_output": report["rows_in_output"],
+            "wall_s": round(report["wall_s"], 1),
+        }
+        print(
+            f"{n:>8} rows: peak RSS {peak_kb / 1024:8.1f} MiB, {report['rows_in_output']} rows out, "
+            f"{report['wall_s']:.1f} s",
+            flush=True,
+        )
     if len(results) >= 2:
         lo, hi = results[min(results)]["peak_rss_mib"], results[max(results)]["peak_rss_mib"]
         print(f"peak RSS ratio {max(results)} / {min(results)} rows: {hi / lo:.3f} (goal: < 1.20)")

@@ -1,6 +1,6 @@
 """Write a chat dataset whose rows share one few-shot system prompt (for jobs/shared_prefix.yaml).
 
-    python scripts/make_shared_prefix_data.py data/few_shot.parquet [--rows 256]
+python scripts/make_shared_prefix_data.py data/few_shot.parquet [--rows 256]
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ def main() -> None:
     for i in range(args.rows):
         a, b = rng.randint(1, 99), rng.randint(1, 99)
         op = rng.choice(["+", "-", "x"])
-        rows.append({"id": i, "messages": [{"role": "system", "content": SYSTEM},
-                                           {"role": "user", "content": f"Q: what is {a} {op} {b}?"}]})
+        rows.append(
+            {
+                "id": i,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Q: what is {a} {op} {b}?"},
+                ],
+            }
+        )
     Path(args.path).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), args.path)
     print(f"wrote {len(rows)} rows to {args.path}")

@@ -166,6 +166,8 @@ class LLMEngine:
         st["schedule_s"] += t1 - t0
         st["model_s"] += t2 - t1
         st["sample_s"] += t3 - t2
+        # a step with any prefill chunk counts as prefill time, a pure decode step as decode time
+        st["prefill_s" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode_s"] += t3 - t0
         st["prefill_tokens"] += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         st["decode_tokens"] += sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         if self.cfg.debug_checks:
@@ -389,6 +391,8 @@ class LLMEngine:
             "schedule_s": st.get("schedule_s", 0.0),
             "model_s": st.get("model_s", 0.0),
             "sample_s": st.get("sample_s", 0.0),
+            "prefill_s": st.get("prefill_s", 0.0),
+            "decode_s": st.get("decode_s", 0.0),
         }
         logical = out["peak_logical_kv_tokens"]
         out["physical_over_logical"] = out["peak_physical_kv_slots"] / logical if logical else 0.0

@@ -78,56 +78,140 @@ def _penalize(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> No
             row.sub_(p.presence_penalty * (counts > 0).float())
 
 
+def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Inverse-CDF draw of one index per row of unnormalized ``probs`` [rows, vocab], without a
+    full-vocabulary cumulative sum: block sums locate the block, a short cumsum the index."""
+    rows, vocab = probs.shape
+    pad = (-vocab) % block
+    p = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = p.view(rows, -1, block)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = u * block_cdf[:, -1]
+    b = torch.searchsorted(block_cdf, target[:, None]).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block)).squeeze(1).double().cumsum(dim=-1)
+    j = torch.searchsorted(inner, (target[:, None] - before)).clamp_(max=block - 1)
+    # never land on a zero-probability slot at the right edge of a block
+    idx = (b * block + j).squeeze(1)
+    return idx.clamp_(max=vocab - 1)
+
+
+def _sample_top_p_by_rejection(
+    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw from the full distribution and accept a token iff it lies in the nucleus (the mass of
+    strictly more likely tokens is below ``top_p``): accepted draws follow the renormalized nucleus
+    exactly. Rows still rejected after ``rounds`` tries are reported for the sort path."""
+    n = probs.shape[0]
+    dev = probs.device
+    tokens = torch.zeros(n, dtype=torch.long, device=dev)
+    pending = torch.arange(n, device=dev)
+    total = probs.sum(dim=-1)
+    for attempt in range(rounds):
+        if pending.numel() == 0:
+            break
+        sub = probs if attempt == 0 else probs[pending]
+        u = torch.tensor(
+            [uniform(rows[i].seed, rows[i].step * 8 + attempt) for i in pending.tolist()],
+            device=dev,
+            dtype=torch.float64,
+        )
+        tok = _draw(sub, u)
+        p_tok = sub.gather(1, tok[:, None])
+        above = (sub * (sub > p_tok)).sum(dim=-1)
+        ok = above < top_p[pending] * total[pending]
+        tokens[pending[ok]] = tok[ok]
+        pending = pending[~ok]
+    return tokens, pending
+
+
+def _sample_sorted(
+    x: torch.Tensor, rows: list[SampleRow], idx: list[int], top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Exact truncation by sorting (top-k, and top-p rows the rejection path could not settle)."""
+    dev = x.device
+    sub = x[idx]
+    k_max = int(top_k[idx].max())
+    if 0 < k_max <= 1024 and bool((top_k[idx] > 0).all()):
+        sub, order = sub.topk(k_max, dim=-1)
+    else:
+        sub, order = sub.sort(dim=-1, descending=True)
+    ranks = torch.arange(sub.shape[1], device=dev)[None, :]
+    k = top_k[idx][:, None]
+    sub = sub.masked_fill((k > 0) & (ranks >= k), float("-inf"))
+    probs = torch.softmax(sub, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    probs = probs.masked_fill((before >= top_p[idx][:, None]) & (ranks > 0), 0.0)
+    u = torch.tensor(
+        [uniform(rows[i].seed, rows[i].step * 8 + 7) for i in idx], device=dev, dtype=torch.float64
+    )
+    pick = _draw(probs, u)
+    return order.gather(1, pick[:, None]).squeeze(1)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """Pick one token per row of ``logits`` [rows, vocab] (float32)."""
     n = len(rows)
     dev = logits.device
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    x = logits.clone()
+    x = logits
 
     blocked = [(i, t) for i, r in enumerate(rows) for t in r.blocked_ids if t < x.shape[1]]
-    if blocked:
-        bi, bt = zip(*blocked, strict=True)
-        x[list(bi), list(bt)] = float("-inf")
     pen = [
         i
         for i, r in enumerate(rows)
         if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
     ]
+    if blocked or pen:
+        x = x.clone()
+    if blocked:
+        bi, bt = zip(*blocked, strict=True)
+        x[list(bi), list(bt)] = float("-inf")
     if pen:
         _penalize(x, rows, pen)
 
-    greedy = torch.tensor([r.params.temperature == 0 for r in rows], device=dev)
+    greedy_rows = [r.params.temperature == 0 for r in rows]
     tokens = x.argmax(dim=-1)
-    if not bool(greedy.all()):
+    if not all(greedy_rows):
+        greedy = torch.tensor(greedy_rows, device=dev)
         temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev, dtype=x.dtype)
-        x = x / temp[:, None]
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev, dtype=x.dtype)
-        if bool((min_p > 0).any()):
-            probs = torch.softmax(x, dim=-1)
-            x = x.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-        u = torch.tensor([uniform(r.seed, r.step) for r in rows], device=dev, dtype=torch.float64)
+        probs = torch.softmax(x / temp[:, None], dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=x.dtype)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            x, order = x.sort(dim=-1, descending=True)
-            ranks = torch.arange(x.shape[1], device=dev)[None, :]
-            x = x.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), float("-inf"))
-            probs = torch.softmax(x, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            x = x.masked_fill((before >= top_p[:, None]) & (ranks > 0), float("-inf"))
-        else:
-            order = None
-        cdf = torch.softmax(x, dim=-1).double().cumsum(dim=-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=x.shape[1] - 1)
-        # Never land on a masked token at the right edge of the CDF.
-        pick = torch.minimum(pick, (x > float("-inf")).sum(dim=-1) - 1) if order is not None else pick
-        sampled = order.gather(1, pick[:, None]).squeeze(1) if order is not None else pick
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
+        plain = [
+            i
+            for i, r in enumerate(rows)
+            if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p >= 1
+        ]
+        nucleus = [
+            i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p < 1
+        ]
+        with_k = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k > 0]
+        sampled = tokens.clone()
+        if plain:
+            u = torch.tensor(
+                [uniform(rows[i].seed, rows[i].step * 8) for i in plain], device=dev, dtype=torch.float64
+            )
+            sampled[plain] = _draw(probs[plain], u)
+        if nucleus:
+            tok, left = _sample_top_p_by_rejection(probs[nucleus], [rows[i] for i in nucleus], top_p[nucleus])
+            sampled[nucleus] = tok
+            with_k += [nucleus[i] for i in left.tolist()]
+        if with_k:
+            logp = torch.log(probs)  # min_p already applied; temperature already in probs
+            sampled[with_k] = _sample_sorted(logp, rows, with_k, top_k, top_p)
         tokens = torch.where(greedy, tokens, sampled)
 
-    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    top: list[dict[int, float] | None] = [None] * n
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    else:
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    top: list[dict[int, float] | None] = [None] * n
     if want:
         k = max(rows[i].params.logprobs for i in want)  # type: ignore[type-var]
         vals, ids = raw_logprobs[want].topk(k, dim=-1) if k > 0 else (None, None)

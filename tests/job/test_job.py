@@ -169,7 +169,7 @@ def _kill_and_resume(tmp_path, config, kills, rng):
             if len(list((tmp_path / "out").glob("part-*"))) > before:
                 break
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))
+        time.sleep(rng.uniform(0.0, 0.4))
         still_running = proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -206,6 +206,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
     pq.write_table(pa.Table.from_pylist(rows), data)
     spec = {"path": str(data), "prompt_column": "prompt", "id_column": "id"}
     out_opts = {"rows_per_shard": 7, "flush_seconds": 0.5}
+    slow = {"engine": {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 256}}  # long enough to kill
     ref_cfg = write_config(
         tmp_path / "ref" if (tmp_path / "ref").mkdir() is None else tmp_path,
         llama_dir,
@@ -218,7 +219,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
 
     work = tmp_path / "killed"
     work.mkdir()
-    config = write_config(work, llama_dir, spec, generation, output=out_opts)
+    config = write_config(work, llama_dir, spec, generation, output=out_opts, **slow)
     res = _kill_and_resume(work, config, kills=3, rng=rng)
     got = read_output(work / "out")
     ids = [r["id"] for r in got]

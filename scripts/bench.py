@@ -1,0 +1,252 @@
+"""Benchmarks of WORKLOADS.md (CPU): batchgen against transformers ``generate`` on the same model
+files, dtype and threads, in one run. Prints a table and writes JSON.
+
+    python scripts/bench.py [S B P D] [--model models/bench-56m] [--baseline-batch-sizes 4 8 16]
+                            [--skip-baseline] [--json bench.json]
+
+Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
+batchgen's generated tokens/s over the best baseline batch size's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB_LOW = 3  # random prompts avoid the special ids 0..2
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    kind: str  # "sample" | "beam" | "greedy"
+    max_tokens: list[int]
+    n: int = 1
+    beam_width: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
+    out = []
+    rng = np.random.default_rng(0)
+
+    def rand_prompt(n: int) -> list[int]:
+        return rng.integers(VOCAB_LOW, vocab, size=n).tolist()
+
+    if "S" in names:
+        lens = rng.integers(64, 257, size=16)
+        out.append(
+            Workload(
+                "S",
+                [rand_prompt(n) for n in lens],
+                "sample",
+                [64] * 16,
+                n=8,
+                temperature=0.8,
+                top_p=0.95,
+                notes="n-best sampling n=8",
+            )
+        )
+    if "B" in names:
+        lens = rng.integers(64, 257, size=16)
+        out.append(
+            Workload(
+                "B",
+                [rand_prompt(n) for n in lens],
+                "beam",
+                [64] * 16,
+                beam_width=4,
+                notes="beam width 4, 4 returned",
+            )
+        )
+    if "P" in names:
+        prefix = rand_prompt(512)
+        out.append(
+            Workload(
+                "P",
+                [prefix + rand_prompt(32) for _ in range(64)],
+                "greedy",
+                [32] * 64,
+                notes="shared 512-token prefix",
+            )
+        )
+    if "D" in names:
+        lens = np.clip(np.round(rng.lognormal(np.log(128), 0.75, size=256)), 8, 1024).astype(int)
+        maxt = np.clip(np.round(rng.lognormal(np.log(64), 0.75, size=256)), 8, 512).astype(int)
+        out.append(
+            Workload(
+                "D",
+                [rand_prompt(int(n)) for n in lens],
+                "sample",
+                maxt.tolist(),
+                temperature=1.0,
+                notes="dataset mix",
+            )
+        )
+    return out
+
+
+def useful_tokens(w: Workload) -> int:
+    per = w.n if w.kind == "sample" else (w.beam_width if w.kind == "beam" else 1)
+    return sum(m * per for m in w.max_tokens)
+
+
+def run_batchgen(model_dir: str, w: Workload, threads: int) -> dict:
+    from batchgen import LLM, BeamSearchParams, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        seed=0,
+        num_threads=threads,
+    )
+    if w.kind == "beam":
+        params = [
+            BeamSearchParams(beam_width=w.beam_width, max_tokens=m, ignore_eos=True) for m in w.max_tokens
+        ]
+    else:
+        params = [
+            SamplingParams(
+                n=w.n,
+                temperature=0 if w.kind == "greedy" else w.temperature,
+                top_p=w.top_p,
+                max_tokens=m,
+                ignore_eos=True,
+                seed=i,
+            )
+            for i, m in enumerate(w.max_tokens)
+        ]
+    # warm-up outside the timing
+    llm.generate([w.prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine._stats.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert gen == useful_tokens(w), (gen, useful_tokens(w))
+    return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall, "stats": llm.stats()}
+
+
+def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = {}
+    for bs in batch_sizes:
+        t0 = time.perf_counter()
+        gen = 0
+        for start in range(0, len(w.prompts), bs):
+            batch = w.prompts[start : start + bs]
+            limits = w.max_tokens[start : start + bs]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, p in enumerate(batch):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            top = max(limits)
+            kwargs = dict(max_new_tokens=top, min_new_tokens=top, pad_token_id=0, attention_mask=mask)
+            if w.kind == "sample":
+                kwargs.update(
+                    do_sample=True,
+                    temperature=w.temperature,
+                    top_p=w.top_p,
+                    top_k=0,
+                    num_return_sequences=w.n,
+                )
+            elif w.kind == "beam":
+                kwargs.update(do_sample=False, num_beams=w.beam_width, num_return_sequences=w.beam_width)
+            else:
+                kwargs.update(do_sample=False)
+            with torch.no_grad():
+                model.generate(ids, **kwargs)
+            per = w.n if w.kind == "sample" else (w.beam_width if w.kind == "beam" else 1)
+            gen += sum(min(m, top) * per for m in limits)  # only each row's own tokens count
+        wall = time.perf_counter() - t0
+        results[bs] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall}
+        print(f"    transformers batch {bs:>2}: {gen / wall:8.1f} tok/s ({wall:.1f} s)", flush=True)
+    best = max(results, key=lambda b: results[b]["tokens_per_s"])
+    return {"per_batch_size": results, "best_batch_size": best, **results[best]}
+
+
+FLOOR_TOK_S = {"S": 1500, "B": 1200}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workloads", nargs="*", default=["S", "B", "P", "D"])
+    ap.add_argument("--model", default="models/bench-56m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--json", default="bench.json")
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        from batchgen.tiny import make_bench_model
+
+        print(f"building the bench model in {args.model} ...", flush=True)
+        make_bench_model(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    rows = []
+    for w in make_workloads(vocab, [x.upper() for x in args.workloads]):
+        print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts", flush=True)
+        bg = run_batchgen(args.model, w, args.threads)
+        s = bg["stats"]
+        print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
+        hf = None if args.skip_baseline else run_hf(args.model, w, args.baseline_batch_sizes, args.threads)
+        rows.append(
+            {
+                "workload": w.name,
+                "batchgen": bg,
+                "transformers": hf,
+                "ratio": bg["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+            }
+        )
+    print()
+    print(
+        "| workload | batchgen tok/s | transformers tok/s (best batch) | ratio | prefill s | decode s | "
+        "other s | KV phys/logical slots | CoW copies | prefix hits |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        bg, s, hf = r["batchgen"], r["batchgen"]["stats"], r["transformers"]
+        other = bg["wall_s"] - s["prefill_s"] - s["decode_s"]
+        hf_txt = f"{hf['tokens_per_s']:.1f} (bs {hf['best_batch_size']})" if hf else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        print(
+            f"| {r['workload']} | {bg['tokens_per_s']:.1f} | {hf_txt} | {ratio} | {s['prefill_s']:.1f} | "
+            f"{s['decode_s']:.1f} | {other:.1f} | {s['peak_physical_kv_slots']} / {s['peak_logical_kv_tokens']} "
+            f"({s['physical_over_logical']:.0%}) | {s['cow_copies']} | {s['prefix_cache_hit_tokens']} |"
+        )
+    for r in rows:
+        if r["workload"] in FLOOR_TOK_S:
+            f = FLOOR_TOK_S[r["workload"]]
+            print(
+                f"{r['workload']}: {r['batchgen']['tokens_per_s'] / f:.0%} of the matmul floor (~{f} tok/s)"
+            )
+    meta = {"machine": platform.platform(), "threads": args.threads, "torch": torch.__version__}
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
