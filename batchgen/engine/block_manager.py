@@ -160,6 +160,7 @@ class PrefixMatch(NamedTuple):
     block_ids: list[int]
     hashes: list[int]
     num_free_hits: int
+    next_hash: int | None = None  # hash of the first full block that missed, if any
 
     @property
     def num_blocks(self) -> int:
@@ -216,12 +217,24 @@ class BlockManager:
             h = hash_block(parent, chunk, extra_key)
             block = self.pool.lookup(h, chunk)
             if block is None:
-                break
+                return PrefixMatch(ids, hashes, free_hits, h)
             ids.append(block.block_id)
             hashes.append(h)
             free_hits += block.ref_count == 0
             parent = h
         return PrefixMatch(ids, hashes, free_hits)
+
+    def chain_hashes(
+        self, token_ids: Sequence[int], match: PrefixMatch, end: int, extra_key: object = None
+    ) -> list[int]:
+        """Hashes of the full blocks after ``match`` that the first ``end`` tokens fill."""
+        bs = self.block_size
+        parent = match.hashes[-1] if match.hashes else None
+        out = []
+        for i in range(match.num_blocks, end // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            out.append(parent)
+        return out
 
     def blocks_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Free blocks that ``append_slots(seq_id, num_computed, num_new)`` would take."""

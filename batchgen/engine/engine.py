@@ -153,6 +153,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.scheduler.finish_step(out)
         self._note_kv_usage()
+        t_book = time.perf_counter() - t2
         samplers = [s.seq for s in out.scheduled if s.samples]
         beam_rows = [i for i, seq in enumerate(samplers) if seq.group.is_beam]
         sample_rows = [i for i, seq in enumerate(samplers) if not seq.group.is_beam]
@@ -163,16 +164,19 @@ class LLMEngine:
         t3 = time.perf_counter()
         st = self._stats
         st["steps"] += 1
-        st["schedule_s"] += t1 - t0
+        st["schedule_s"] += t1 - t0 + t_book
         st["model_s"] += t2 - t1
-        st["sample_s"] += t3 - t2
+        st["sample_s"] += t3 - t2 - t_book
         # a step with any prefill chunk counts as prefill time, a pure decode step as decode time
         st["prefill_s" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode_s"] += t3 - t0
         st["prefill_tokens"] += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         st["decode_tokens"] += sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         if self.cfg.debug_checks:
             self.bm.check_invariants()
-        return self._collect()
+        t4 = time.perf_counter()
+        done = self._collect()
+        st["output_s"] += time.perf_counter() - t4
+        return done
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         rows: list[SampleRow] = []
@@ -206,7 +210,9 @@ class LLMEngine:
                 row_index.append(i)
         if len(targets) != len(seqs):
             logits = logits[torch.tensor(row_index, device=logits.device)]
+        t0 = time.perf_counter()
         result = sample(logits, rows)
+        self._stats["sampler_s"] += time.perf_counter() - t0
         for seq, tok, lp, top in zip(
             targets, result.tokens, result.logprobs, result.top_logprobs, strict=True
         ):
@@ -391,6 +397,12 @@ class LLMEngine:
             "schedule_s": st.get("schedule_s", 0.0),
             "model_s": st.get("model_s", 0.0),
             "sample_s": st.get("sample_s", 0.0),
+            "sampler_s": st.get("sampler_s", 0.0),
+            "output_s": st.get("output_s", 0.0),
+            "runner_prepare_s": self.runner.times.prepare + self.runner.times.copy,
+            "forward_s": self.runner.times.forward,
+            "attention_s": self.runner.times.attention,
+            "lm_head_s": self.runner.times.lm_head,
             "prefill_s": st.get("prefill_s", 0.0),
             "decode_s": st.get("decode_s", 0.0),
         }

@@ -101,6 +101,7 @@ class Scheduler:
             budget -= scheduled
             i += 1
 
+        computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
         while self.waiting and budget > 0 and not out.preempted:
             group = self.waiting[0]
             if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
@@ -109,9 +110,18 @@ class Scheduler:
             reserve = self.watermark if self.running else 0
             if not plans or need + reserve > self.bm.num_free_blocks:
                 break
+            # A prompt whose next block is being computed right now waits one step and then
+            # reuses it from the prefix cache instead of computing it again.
+            if any(p.match is not None and p.match.next_hash in computing for p in plans):
+                break
             self.waiting.popleft()
             self.running.append(group)
             budget -= self._apply(plans, out)
+            for p in plans:
+                if p.match is not None:
+                    computing.update(
+                        self.bm.chain_hashes(p.seq.token_ids, p.match, p.start + p.num_new, group.cache_key)
+                    )
         return out
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:
@@ -155,6 +165,8 @@ class Scheduler:
 
     def _apply(self, plans: list[_Plan], out: SchedulerOutput) -> int:
         used = 0
+        # Take every matched cached block first: a fresh allocation below may otherwise evict a
+        # free cached block that a later sequence of the same group matched.
         for plan in plans:
             seq = plan.seq
             if plan.match is not None:
@@ -162,6 +174,8 @@ class Scheduler:
                 seq.num_computed_tokens = cached
                 if seq.group.num_cached_tokens is None:
                     seq.group.num_cached_tokens = cached
+        for plan in plans:
+            seq = plan.seq
             copies = self.bm.append_slots(seq.seq_id, plan.start, plan.num_new)
             assert copies is not None, "planned allocation failed"
             out.copies.extend(copies)

@@ -13,6 +13,7 @@ A backend implements ``forward`` for one layer; ``TorchAttention`` runs anywhere
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,12 +30,22 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode rows of similar context length, so that a padded gather wastes little."""
+
+    rows: torch.Tensor | None  # [n] long rows of the decode part, or None for all of them
+    block_tables: torch.Tensor  # [n, blocks] long, cut to the longest context of the bucket
+    context_lens: torch.Tensor  # [n] long, including the new token
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for each token
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
     decode_context_lens: torch.Tensor | None = None  # [num_decode] long, including the new token
     decode_max_context: int = 0
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -63,9 +74,19 @@ def write_kv(
 
 
 class TorchAttention:
-    """Reference backend in plain torch: gathers each sequence's blocks and calls SDPA."""
+    """Reference backend in plain torch: gathers each sequence's blocks and calls SDPA.
+    ``seconds`` accumulates the time spent here (host time: exact on CPU)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+        t0 = time.perf_counter()
+        out = self._forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -83,14 +104,29 @@ class TorchAttention:
         return g.flatten(-4, -3)
 
     def _decode(self, q, k_cache, v_cache, meta, scale, window):
-        bt = meta.decode_block_tables
-        num_blocks_needed = -(-meta.decode_max_context // k_cache.shape[1])
-        bt = bt[:, :num_blocks_needed]
+        buckets = meta.decode_buckets or [
+            DecodeBucket(
+                None,
+                meta.decode_block_tables[:, : -(-meta.decode_max_context // k_cache.shape[1])],
+                meta.decode_context_lens,
+            )
+        ]
+        if len(buckets) == 1 and buckets[0].rows is None:
+            b = buckets[0]
+            return self._decode_rows(q, k_cache, v_cache, b.block_tables, b.context_lens, scale, window)
+        out = torch.empty_like(q)
+        for b in buckets:
+            out[b.rows] = self._decode_rows(
+                q[b.rows], k_cache, v_cache, b.block_tables, b.context_lens, scale, window
+            )
+        return out
+
+    def _decode_rows(self, q, k_cache, v_cache, bt, context_lens, scale, window):
         keys = self._gather(k_cache, bt).transpose(1, 2)  # [B, kvh, L, d]
         values = self._gather(v_cache, bt).transpose(1, 2)
         length = keys.shape[2]
         pos = torch.arange(length, device=q.device)
-        ctx = meta.decode_context_lens[:, None]
+        ctx = context_lens[:, None]
         mask = pos[None, :] < ctx
         if window is not None:
             mask &= pos[None, :] > ctx - 1 - window

@@ -8,6 +8,7 @@ logits of the last token of every sequence that samples this step, in the schedu
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import BlockManager, CopyPair
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.model.attention import AttentionMetadata, PrefillChunk, make_backend
+from batchgen.model.attention import AttentionMetadata, DecodeBucket, PrefillChunk, make_backend
 from batchgen.model.llama import LlamaModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,9 +38,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class StepTimes:
+class RunnerTimes:
+    """Seconds spent, summed over steps: block copies, input building, the model forward (of which
+    attention), and the LM head."""
+
+    copy: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
+    attention: float = 0.0
+    lm_head: float = 0.0
 
 
 class ModelRunner:
@@ -51,6 +58,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         self.model = LlamaModel(hf_config, cfg.model, self.device, self.dtype, max_model_len)
         self.backend = make_backend(cfg.attention_backend, self.device)
+        self.times = RunnerTimes()
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
         m = self.model
@@ -94,7 +102,9 @@ class ModelRunner:
         self, scheduled: list[ScheduledSeq], copies: list[CopyPair], bm: BlockManager
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order."""
+        t0 = time.perf_counter()
         self.copy_blocks(copies)
+        t1 = time.perf_counter()
         decode = [s for s in scheduled if s.num_new_tokens == 1]
         prefill = [s for s in scheduled if s.num_new_tokens != 1]
         order = decode + prefill
@@ -131,6 +141,7 @@ class ModelRunner:
             meta.decode_block_tables = bt_t[:nd]
             meta.decode_context_lens = torch.from_numpy(ctx).to(dev)
             meta.decode_max_context = int(ctx.max())
+            meta.decode_buckets = self._buckets(ctx, bt_t[:nd], meta.decode_context_lens)
         for row in range(nd, len(order)):
             s = order[row]
             nblocks = -(-(s.start + s.num_new_tokens) // bs)
@@ -138,16 +149,45 @@ class ModelRunner:
                 PrefillChunk(int(cu[row]), s.num_new_tokens, s.start + s.num_new_tokens, bt_t[row, :nblocks])
             )
 
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_cache,
-            meta,
-            self.backend,
-        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(positions).to(dev)
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(order)}
         last = [int(cu[row_of[id(s)] + 1]) - 1 for s in scheduled if s.samples]
-        if not last:
-            return torch.empty((0, self.model.vocab_size), device=dev)
-        return self.model.logits(hidden[torch.tensor(last, device=dev)])
+        t2 = time.perf_counter()
+        attention_before = getattr(self.backend, "seconds", 0.0)
+        hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend)
+        self._sync()
+        t3 = time.perf_counter()
+        logits = (
+            self.model.logits(hidden[torch.tensor(last, device=dev)])
+            if last
+            else torch.empty((0, self.model.vocab_size), device=dev)
+        )
+        self._sync()
+        t4 = time.perf_counter()
+        tm = self.times
+        tm.copy += t1 - t0
+        tm.prepare += t2 - t1
+        tm.forward += t3 - t2
+        tm.attention += getattr(self.backend, "seconds", 0.0) - attention_before
+        tm.lm_head += t4 - t3
+        return logits
+
+    def _buckets(self, ctx: np.ndarray, bt: torch.Tensor, ctx_t: torch.Tensor) -> list[DecodeBucket]:
+        """Group decode rows by context length (powers of two in blocks): a padded gather then
+        moves at most about twice the bytes the contexts hold."""
+        nblocks = -(-ctx // self.block_size)
+        key = np.ceil(np.log2(nblocks)).astype(np.int64)
+        if key.min() == key.max():
+            return [DecodeBucket(None, bt[:, : int(nblocks.max())], ctx_t)]
+        out = []
+        for k in np.unique(key):
+            rows = np.nonzero(key == k)[0]
+            idx = torch.from_numpy(rows).to(bt.device)
+            out.append(DecodeBucket(idx, bt[idx, : int(nblocks[rows].max())], ctx_t[idx]))
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda" and self.cfg.debug_checks:
+            torch.cuda.synchronize(self.device)

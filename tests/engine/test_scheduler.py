@@ -112,3 +112,32 @@ def test_preemption_takes_newest_group_whole_and_requeues_it_first():
     s = out.scheduled[0]
     assert s.seq.group is new and s.start == 8 and s.num_new_tokens == total - 8
     assert old.seqs[0].status is SeqStatus.FINISHED
+
+
+def test_fresh_allocation_never_evicts_a_block_another_sequence_of_the_group_matched():
+    """Regression: cached blocks at the head of the free queue, matched by sequence 1 of a group,
+    must not be handed to sequence 0's new block in the same step."""
+    bm = BlockManager(6, BS)
+    prompt, other = list(range(100, 108)), list(range(200, 208))
+    for sid, toks in ((1, prompt), (2, other)):  # cache two prompts, then free them
+        bm.append_slots(sid, 0, 8)
+        bm.cache_full_blocks(sid, toks, 8)
+    bm.free(1)
+    bm.free(2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    g = make_group("0", prompt)
+    s0 = Sequence(g, 0, list(range(300, 305)), 5, seed=0)  # 4 tokens computed, the 5th needs a new block
+    bm.append_slots(s0.seq_id, 0, 4)
+    s0.num_computed_tokens = 4
+    filler = make_group("1", [7])
+    bm.append_slots(filler.seqs[0].seq_id, 0, 1)
+    s1 = Sequence(g, 1, prompt + [9], 8, seed=0)  # matches the two cached prompt blocks
+    g.seqs[:] = [s0, s1]
+    sched.running.append(g)
+    prompt_blocks = bm.match_prefix(prompt).block_ids
+    assert bm.pool.free_queue.ids()[:2] == list(reversed(prompt_blocks))  # they sit at the head
+    out = sched.schedule()
+    assert {(s.seq.index, s.start, s.num_new_tokens) for s in out.scheduled} == {(0, 4, 1), (1, 8, 1)}
+    assert bm.table(s1.seq_id)[:2] == prompt_blocks
+    assert bm.table(s0.seq_id)[1] not in prompt_blocks
+    bm.check_invariants()

@@ -1,0 +1,84 @@
+"""Where one engine step's time goes on the CPU path, at a batch of 128 decoding sequences
+(workload S shape: 16 prompts x n=8 on bench-56m).
+
+    python scripts/profile_step.py [--model models/bench-56m] [--steps 24]
+
+Prints each part's share of the step: the model forward (of which attention: KV write, block
+gather, SDPA), the LM head, sampling, scheduler + block manager, input building, post-processing
+(token append, stop checks), output assembly / detokenization. "Overhead" is everything outside
+the model forward and LM head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchgen import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="models/bench-56m")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        from batchgen.tiny import make_bench_model
+
+        make_bench_model(args.model)
+    torch.set_num_threads(args.threads)
+    llm = LLM(
+        args.model, dtype="float32", device="cpu", max_num_batched_tokens=4096, num_threads=args.threads
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 32000, size=int(n)).tolist() for n in rng.integers(64, 257, size=16)]
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(
+            str(i),
+            p,
+            SamplingParams(
+                n=8, temperature=0.8, top_p=0.95, max_tokens=args.steps + 8, ignore_eos=True, seed=i
+            ),
+        )
+    for _ in range(4):  # prefill and the first decode steps
+        eng.step()
+    running = sum(len(g.live_seqs) for g in eng.scheduler.running)
+    eng._stats.clear()
+    t = eng.runner.times
+    t.copy = t.prepare = t.forward = t.attention = t.lm_head = 0.0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    wall = time.perf_counter() - t0
+    s = llm.stats()
+    parts = {
+        "model forward (linear layers, norms, rope)": s["forward_s"] - s["attention_s"],
+        "  attention (KV write, block gather, SDPA)": s["attention_s"],
+        "LM head": s["lm_head_s"],
+        "sampling (torch)": s["sampler_s"],
+        "post-processing (append, stop checks, forks)": s["sample_s"] - s["sampler_s"],
+        "scheduler + block manager": s["schedule_s"],
+        "input building + block copies": s["runner_prepare_s"],
+        "output assembly / detokenization": s["output_s"],
+    }
+    print(f"{running} decoding sequences, {args.steps} steps, {wall / args.steps * 1000:.1f} ms per step")
+    print("| part | ms / step | share |")
+    print("| --- | --- | --- |")
+    for name, sec in parts.items():
+        print(f"| {name} | {sec / args.steps * 1000:.1f} | {sec / wall:.1%} |")
+    model = s["forward_s"] + s["lm_head_s"]
+    print(
+        f"| other (loop, timers) | {(wall - sum(parts.values())) / args.steps * 1000:.1f} | "
+        f"{(wall - sum(parts.values())) / wall:.1%} |"
+    )
+    print(f"overhead outside the model forward and LM head: {(wall - model) / wall:.1%} of step time")
+
+
+if __name__ == "__main__":
+    main()
