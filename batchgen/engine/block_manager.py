@@ -186,6 +186,9 @@ class BlockManager:
         self.seqs: dict[int, _SeqBlocks] = {}
         self.num_cow_copies = 0
         self.prefix_hit_tokens = 0
+        # Blocks handed out since the last ``take_fresh_blocks``: the runner zeroes them, so that a
+        # masked-out slot never holds NaN garbage (0 x NaN is NaN in the attention matmul).
+        self.fresh_blocks: list[int] = []
         self.peak_used_blocks = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -276,9 +279,15 @@ class BlockManager:
                 self.pool.release(old)
                 self.num_cow_copies += 1
         while len(table) * self.block_size < num_computed + num_new:
-            table.append(self.pool.allocate().block_id)
+            block_id = self.pool.allocate().block_id
+            table.append(block_id)
+            self.fresh_blocks.append(block_id)
         self._note_usage()
         return copies
+
+    def take_fresh_blocks(self) -> list[int]:
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the parent's table, sharing every block (no copy)."""

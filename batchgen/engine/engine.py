@@ -149,7 +149,7 @@ class LLMEngine:
         if out.is_empty:
             return self._collect()
         t1 = time.perf_counter()
-        logits = self.runner.execute(out.scheduled, out.copies, self.bm)
+        logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks)
         t2 = time.perf_counter()
         self.scheduler.finish_step(out)
         self._note_kv_usage()

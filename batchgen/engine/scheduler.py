@@ -37,6 +37,7 @@ class ScheduledSeq(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyPair] = field(default_factory=list)
+    fresh_blocks: list[int] = field(default_factory=list)  # newly allocated blocks (zeroed by the runner)
     preempted: list[SequenceGroup] = field(default_factory=list)
 
     @property
@@ -122,6 +123,7 @@ class Scheduler:
                     computing.update(
                         self.bm.chain_hashes(p.seq.token_ids, p.match, p.start + p.num_new, group.cache_key)
                     )
+        out.fresh_blocks = self.bm.take_fresh_blocks()
         return out
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:

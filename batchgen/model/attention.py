@@ -39,6 +39,20 @@ class DecodeBucket:
 
 
 @dataclass
+class SharedPrefixes:
+    """Groups of decode rows whose block tables start with the same full, immutable blocks (the n
+    samples of a prompt, the beams of a search, requests that hit the same cached prefix).
+    Attention over each shared prefix is computed once for all its rows (cascade attention), all
+    groups in one batched op: group g has rows ``row_index[g, :]`` (where ``row_valid``) and
+    prefix ``block_tables[g]`` of ``prefix_lens[g]`` tokens."""
+
+    row_index: torch.Tensor  # [G, R] long, padded with row 0
+    row_valid: torch.Tensor  # [G, R] bool
+    block_tables: torch.Tensor  # [G, P] long, padded with block 0
+    prefix_lens: torch.Tensor  # [G] long, tokens
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for each token
     num_decode: int = 0
@@ -46,6 +60,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode] long, including the new token
     decode_max_context: int = 0
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    # with shared prefixes, the buckets hold each row's blocks *after* its shared prefix
+    decode_shared: SharedPrefixes | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -67,14 +83,33 @@ class AttentionBackend(Protocol):
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store each token's K/V in its slot."""
+    """Store each token's K/V ([T, kv_heads, head_dim]) in its slot of the head-major caches."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+    k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+
+
+def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, block_size, d] at ``block_table`` [..., n] -> [kv_heads, ..., n * block_size, d].
+    The head-major layout makes the result contiguous: matmuls use it without another copy."""
+    return cache[:, block_table].flatten(-3, -2)
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None
+):
+    """q [kvh, B, g, d] against keys / values [kvh, B, L, d] (``mask`` [B, L]: True = attend).
+    Returns the output [kvh, B, g, d] and the log-sum-exp [kvh, B, g] of the scores."""
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse), values), lse.squeeze(-1)
 
 
 class TorchAttention:
-    """Reference backend in plain torch: gathers each sequence's blocks and calls SDPA.
+    """Reference backend in plain torch: gathers blocks and computes attention with matmuls.
+    The caches are head-major: [kv_heads, num_blocks, block_size, head_dim].
     ``seconds`` accumulates the time spent here (host time: exact on CPU)."""
 
     def __init__(self) -> None:
@@ -82,11 +117,6 @@ class TorchAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         t0 = time.perf_counter()
-        out = self._forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    def _forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -95,55 +125,67 @@ class TorchAttention:
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale, sliding_window)
+        self.seconds += time.perf_counter() - t0
         return out
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        # [..., nblocks] -> [..., nblocks * block_size, kv_heads, head_dim]
-        g = cache[block_table]
-        return g.flatten(-4, -3)
-
     def _decode(self, q, k_cache, v_cache, meta, scale, window):
+        nd, h, d = q.shape
+        kvh = k_cache.shape[0]
+        g = h // kvh
+        qh = q.view(nd, kvh, g, d).transpose(0, 1)  # [kvh, nd, g, d]
         buckets = meta.decode_buckets or [
             DecodeBucket(
                 None,
-                meta.decode_block_tables[:, : -(-meta.decode_max_context // k_cache.shape[1])],
+                meta.decode_block_tables[:, : -(-meta.decode_max_context // k_cache.shape[2])],
                 meta.decode_context_lens,
             )
         ]
-        if len(buckets) == 1 and buckets[0].rows is None:
-            b = buckets[0]
-            return self._decode_rows(q, k_cache, v_cache, b.block_tables, b.context_lens, scale, window)
-        out = torch.empty_like(q)
+        out = torch.empty((kvh, nd, g, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((kvh, nd, g), dtype=torch.float32, device=q.device)
+        # With shared prefixes, the buckets hold each row's blocks after its prefix.
         for b in buckets:
-            out[b.rows] = self._decode_rows(
-                q[b.rows], k_cache, v_cache, b.block_tables, b.context_lens, scale, window
-            )
-        return out
+            rows = b.rows
+            keys = gather(k_cache, b.block_tables)
+            values = gather(v_cache, b.block_tables)
+            pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+            ctx = b.context_lens[:, None]
+            mask = pos < ctx
+            if window is not None:  # (no shared prefixes with windows: positions are absolute here)
+                mask &= pos > ctx - 1 - window
+            o, l_ = attend(qh if rows is None else qh[:, rows], keys, values, scale, mask)
+            if rows is None:
+                out, lse = o, l_.float()
+            else:
+                out[:, rows] = o
+                lse[:, rows] = l_.float()
+        if meta.decode_shared is not None:
+            self._merge_shared_prefixes(qh, out, lse, k_cache, v_cache, meta.decode_shared, scale)
+        return out.transpose(0, 1).reshape(nd, h, d)
 
-    def _decode_rows(self, q, k_cache, v_cache, bt, context_lens, scale, window):
-        keys = self._gather(k_cache, bt).transpose(1, 2)  # [B, kvh, L, d]
-        values = self._gather(v_cache, bt).transpose(1, 2)
-        length = keys.shape[2]
-        pos = torch.arange(length, device=q.device)
-        ctx = context_lens[:, None]
-        mask = pos[None, :] < ctx
-        if window is not None:
-            mask &= pos[None, :] > ctx - 1 - window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=keys.shape[1] != q.shape[1],
-        )
-        return o.squeeze(2)
+    @staticmethod
+    def _merge_shared_prefixes(qh, out, lse, k_cache, v_cache, sp, scale):
+        """Cascade attention: each shared prefix attended once by all its rows (its rows become extra
+        query heads of one batch entry), merged into the rows' outputs by log-sum-exp."""
+        kvh, _, g, d = qh.shape
+        groups, rmax = sp.row_index.shape
+        keys = gather(k_cache, sp.block_tables)  # [kvh, G, L, d]
+        values = gather(v_cache, sp.block_tables)
+        qs = qh[:, sp.row_index].reshape(kvh, groups, rmax * g, d)
+        mask = torch.arange(keys.shape[2], device=qh.device)[None, :] < sp.prefix_lens[:, None]
+        o_p, l_p = attend(qs, keys, values, scale, mask)
+        o_p = o_p.view(kvh, groups, rmax, g, d)[:, sp.row_valid]  # [kvh, rows, g, d]
+        l_p = l_p.view(kvh, groups, rmax, g)[:, sp.row_valid].float()
+        rows = sp.row_index[sp.row_valid]
+        l_s = lse[:, rows]
+        m = torch.maximum(l_s, l_p)
+        w_s, w_p = torch.exp(l_s - m), torch.exp(l_p - m)
+        merged = (out[:, rows] * w_s[..., None] + o_p * w_p[..., None]) / (w_s + w_p)[..., None]
+        out[:, rows] = merged.to(out.dtype)
 
     def _prefill(self, q, k_cache, v_cache, chunk, scale, window):
         n, ctx = chunk.num_tokens, chunk.context_len
-        keys = self._gather(k_cache, chunk.block_table)[:ctx].transpose(0, 1)  # [kvh, ctx, d]
-        values = self._gather(v_cache, chunk.block_table)[:ctx].transpose(0, 1)
+        keys = gather(k_cache, chunk.block_table)[:, :ctx]  # [kvh, ctx, d]
+        values = gather(v_cache, chunk.block_table)[:, :ctx]
         qh = q.transpose(0, 1)  # [h, n, d]
         gqa = keys.shape[0] != qh.shape[0]
         if ctx == n and window is None:

@@ -17,7 +17,13 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.block_manager import BlockManager, CopyPair
 from batchgen.engine.scheduler import ScheduledSeq
-from batchgen.model.attention import AttentionMetadata, DecodeBucket, PrefillChunk, make_backend
+from batchgen.model.attention import (
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillChunk,
+    SharedPrefixes,
+    make_backend,
+)
 from batchgen.model.llama import LlamaModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -59,14 +65,18 @@ class ModelRunner:
         self.model = LlamaModel(hf_config, cfg.model, self.device, self.dtype, max_model_len)
         self.backend = make_backend(cfg.attention_backend, self.device)
         self.times = RunnerTimes()
+        # Cascade attention over shared prefixes (off for sliding-window models: it needs whole prefixes).
+        self.cascade = all(lw.sliding_window is None for lw in self.model.layers)
+        self.cascade_min_blocks = 2
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
         m = self.model
         self.kv_cache = torch.empty(
-            (m.num_layers, 2, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim),
+            (m.num_layers, 2, m.num_kv_heads, self.num_blocks, self.block_size, m.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
+        self.zero_blocks([0])  # padding entries of block tables point at block 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -91,18 +101,29 @@ class ModelRunner:
         cap = self.cfg.max_num_seqs * (-(-max_model_len // self.block_size) + 1)
         return max(2, min(int(budget // self.bytes_per_block), cap))
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """New blocks start as zeros: masked slots of a partly filled block must hold finite values."""
+        if block_ids:
+            self.kv_cache[:, :, :, torch.tensor(block_ids, device=self.device)] = 0
+
     def copy_blocks(self, copies: list[CopyPair]) -> None:
         if not copies:
             return
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def execute(
-        self, scheduled: list[ScheduledSeq], copies: list[CopyPair], bm: BlockManager
+        self,
+        scheduled: list[ScheduledSeq],
+        copies: list[CopyPair],
+        bm: BlockManager,
+        fresh_blocks: list[int] | None = None,
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order."""
+        """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order.
+        ``fresh_blocks`` are zeroed, then ``copies`` applied, before the forward pass."""
         t0 = time.perf_counter()
+        self.zero_blocks(fresh_blocks or [])
         self.copy_blocks(copies)
         t1 = time.perf_counter()
         decode = [s for s in scheduled if s.num_new_tokens == 1]
@@ -141,7 +162,16 @@ class ModelRunner:
             meta.decode_block_tables = bt_t[:nd]
             meta.decode_context_lens = torch.from_numpy(ctx).to(dev)
             meta.decode_max_context = int(ctx.max())
-            meta.decode_buckets = self._buckets(ctx, bt_t[:nd], meta.decode_context_lens)
+            shared = self._shared_prefixes(bt[:nd], ctx) if self.cascade else []
+            if shared:
+                suffix_bt, suffix_ctx = self._suffix_tables(bt[:nd], ctx, shared)
+                suffix_ctx_t = torch.from_numpy(suffix_ctx).to(dev)
+                meta.decode_buckets = self._buckets(
+                    suffix_ctx, torch.from_numpy(suffix_bt).to(dev), suffix_ctx_t
+                )
+                meta.decode_shared = self._shared_batch(bt[:nd], shared)
+            else:
+                meta.decode_buckets = self._buckets(ctx, bt_t[:nd], meta.decode_context_lens)
         for row in range(nd, len(order)):
             s = order[row]
             nblocks = -(-(s.start + s.num_new_tokens) // bs)
@@ -173,6 +203,52 @@ class ModelRunner:
         tm.attention += getattr(self.backend, "seconds", 0.0) - attention_before
         tm.lm_head += t4 - t3
         return logits
+
+    def _shared_prefixes(self, bt: np.ndarray, ctx: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """Rows (at least 2) whose tables start with the same full blocks (at least
+        ``cascade_min_blocks``), with the length of that common start."""
+        bs = self.block_size
+        full = (ctx - 1) // bs  # blocks entirely before each row's newest token
+        first = bt[:, 0]
+        order = np.argsort(first, kind="stable")
+        bounds = np.flatnonzero(np.diff(first[order])) + 1
+        out = []
+        for rows in np.split(order, bounds):
+            if len(rows) < 2:
+                continue
+            limit = int(full[rows].min())
+            if limit < self.cascade_min_blocks:
+                continue
+            sub = bt[rows, :limit]
+            same = (sub == sub[0]).all(axis=0)
+            n = limit if same.all() else int(np.argmin(same))
+            if n >= self.cascade_min_blocks:
+                out.append((rows, n))
+        return out
+
+    def _shared_batch(self, bt: np.ndarray, shared: list[tuple[np.ndarray, int]]) -> SharedPrefixes:
+        groups, rmax, pmax = len(shared), max(len(r) for r, _ in shared), max(n for _, n in shared)
+        row_index = np.zeros((groups, rmax), dtype=np.int64)
+        row_valid = np.zeros((groups, rmax), dtype=bool)
+        tables = np.zeros((groups, pmax), dtype=np.int64)
+        lens = np.zeros(groups, dtype=np.int64)
+        for i, (rows, n) in enumerate(shared):
+            row_index[i, : len(rows)] = rows
+            row_valid[i, : len(rows)] = True
+            tables[i, :n] = bt[rows[0], :n]
+            lens[i] = n * self.block_size
+        dev = self.device
+        return SharedPrefixes(*(torch.from_numpy(a).to(dev) for a in (row_index, row_valid, tables, lens)))
+
+    def _suffix_tables(self, bt: np.ndarray, ctx: np.ndarray, shared: list[tuple[np.ndarray, int]]):
+        """Each row's block table and context length after its shared prefix."""
+        skip = np.zeros(len(ctx), dtype=np.int64)
+        for rows, n in shared:
+            skip[rows] = n
+        width = bt.shape[1]
+        cols = np.arange(width)[None, :] + skip[:, None]
+        suffix = np.where(cols < width, np.take_along_axis(bt, np.minimum(cols, width - 1), axis=1), 0)
+        return suffix, ctx - skip * self.block_size
 
     def _buckets(self, ctx: np.ndarray, bt: torch.Tensor, ctx_t: torch.Tensor) -> list[DecodeBucket]:
         """Group decode rows by context length (powers of two in blocks): a padded gather then

@@ -85,3 +85,19 @@ def test_text_prompts_and_eos_stop(llama_dir):
     assert out.prompt == text and out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == hf_greedy(llama_dir, ids, MAX_NEW)
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_garbage_in_unwritten_kv_slots_never_leaks(model_dirs, arch):
+    """The KV pool is allocated uninitialized; whatever an unwritten slot holds (NaN here), masked
+    attention must not see it (new blocks are zeroed; block 0 pads block tables)."""
+    path = model_dirs[arch]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_kv_blocks=40)
+    llm.engine.runner.kv_cache.fill_(float("nan"))
+    llm.engine.runner.zero_blocks([0])
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == expected(path, i), f"prompt {i}"
+    # n > 1 exercises shared-prefix (cascade) attention over forked blocks
+    out = llm.generate([PROMPTS[4]], SamplingParams(n=3, top_k=1, max_tokens=MAX_NEW, ignore_eos=True))[0]
+    assert all(c.token_ids == expected(path, 4) for c in out.outputs)
