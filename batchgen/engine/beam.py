@@ -74,6 +74,8 @@ class BeamState:
 
 def _mask_end_tokens(states: list[BeamState], log_probs: torch.Tensor, k: int) -> torch.Tensor:
     """transformers' ``min_new_tokens`` processor: end tokens get -inf while too few tokens exist."""
+    if not any(st.cur_len - st.prompt_len < st.params.min_tokens and st.end_ids for st in states):
+        return log_probs
     log_probs = log_probs.clone()
     for g, st in enumerate(states):
         if st.cur_len - st.prompt_len < st.params.min_tokens and st.end_ids:
@@ -113,12 +115,12 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
     topk_beam = topk_idx // vocab
     topk_ids = topk_idx % vocab
 
-    hits = torch.zeros((g_count, keep), dtype=torch.bool)
-    for g, st in enumerate(states):
-        if st.cur_len + 1 >= st.max_length:
-            hits[g] = True
-        elif st.end_ids:
-            hits[g] = torch.isin(topk_ids[g], torch.tensor(st.end_ids))
+    at_limit = torch.tensor([[st.cur_len + 1 >= st.max_length] for st in states])
+    if n_end:
+        ends = torch.tensor([st.end_ids for st in states])  # [G, n_end]
+        hits = (topk_ids[:, :, None] == ends[:, None, :]).any(dim=-1) | at_limit
+    else:
+        hits = at_limit.expand(g_count, keep).clone()
 
     # e. next running beams: the best k continuations that did not end
     topk_running = topk_log_probs + hits.to(torch.float32) * NEG

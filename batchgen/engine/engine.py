@@ -246,8 +246,7 @@ class LLMEngine:
 
     def _beam(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        for seq, row in zip(seqs, log_probs, strict=True):
-            self._pending[seq.seq_id] = row
+        row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         ready: dict[tuple[int, int], list[SequenceGroup]] = defaultdict(list)
         for group in dict.fromkeys(seq.group for seq in seqs):
             if group.beam is None:
@@ -256,13 +255,26 @@ class LLMEngine:
                 prompt_seq = group.seqs[0]
                 max_len = min(prompt_seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
                 group.beam = BeamState.start(p, prompt_seq, end, max_len)
-            if all(b.seq_id in self._pending for b in group.beam.beams):
+            beams = group.beam.beams
+            if all(b.seq_id in row_of or b.seq_id in self._pending for b in beams):
                 ready[group.beam.group_key].append(group)
+            else:  # some beams were not computed this step (token budget): keep the rows we have
+                for b in beams:
+                    if b.seq_id in row_of:
+                        self._pending[b.seq_id] = log_probs[row_of[b.seq_id]].clone()
         for groups in ready.values():
-            rows = torch.stack([self._pending[b.seq_id] for g in groups for b in g.beam.beams])
-            for g in groups:
-                for b in g.beam.beams:
-                    self._pending.pop(b.seq_id, None)
+            beams = [b for g in groups for b in g.beam.beams]
+            if all(b.seq_id in row_of for b in beams):
+                rows = log_probs[torch.tensor([row_of[b.seq_id] for b in beams])]
+            else:
+                rows = torch.stack(
+                    [
+                        log_probs[row_of[b.seq_id]] if b.seq_id in row_of else self._pending[b.seq_id]
+                        for b in beams
+                    ]
+                )
+            for b in beams:
+                self._pending.pop(b.seq_id, None)
             choices = beam_step([g.beam for g in groups], rows)
             for group, choice in zip(groups, choices, strict=True):
                 self._apply_beams(group, choice)
