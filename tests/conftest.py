@@ -11,6 +11,8 @@ import torch
 from batchgen.tiny import ARCHS, make_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU machine
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 

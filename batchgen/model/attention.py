@@ -62,6 +62,11 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     # with shared prefixes, the buckets hold each row's blocks *after* its shared prefix
     decode_shared: SharedPrefixes | None = None
+    # The same batch per token, for kernels that treat every token alike (the Triton backend):
+    block_tables: torch.Tensor | None = None  # [S, W] long, one row per scheduled sequence
+    token_rows: torch.Tensor | None = None  # [T] long: each token's row of block_tables
+    token_ctx: torch.Tensor | None = None  # [T] long: positions each token attends to (position + 1)
+    max_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

@@ -128,13 +128,14 @@ class LlamaModel:
             residual = x
             y = rms_norm(x, lw.input_norm, self.eps)
             qkv = F.linear(y, lw.qkv, lw.qkv_bias)
-            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-            q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, self.eps)
-                k = rms_norm(k, lw.k_norm, self.eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+                q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+                q = apply_rotary(rms_norm(q, lw.q_norm, self.eps), cos, sin)
+                k = apply_rotary(rms_norm(k, lw.k_norm, self.eps), cos, sin)
+            else:  # q and k side by side in qkv: rotate both in one pass
+                qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+                q, k = qk[:, :h], qk[:, h:]
             o = backend.forward(
                 q, k, v.contiguous(), kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window
             )

@@ -22,6 +22,7 @@ from batchgen.model.attention import (
     DecodeBucket,
     PrefillChunk,
     SharedPrefixes,
+    TorchAttention,
     make_backend,
 )
 from batchgen.model.llama import LlamaModel
@@ -68,6 +69,9 @@ class ModelRunner:
         # Cascade attention over shared prefixes (off for sliding-window models: it needs whole prefixes).
         self.cascade = all(lw.sliding_window is None for lw in self.model.layers)
         self.cascade_min_blocks = 2
+        self.per_token_layout = not isinstance(self.backend, TorchAttention)
+        if self.per_token_layout:
+            self.cascade = False
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
         m = self.model
@@ -111,7 +115,12 @@ class ModelRunner:
             return
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)
-        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+        if self.per_token_layout:
+            from kernels.block_ops import copy_blocks
+
+            copy_blocks(self.kv_cache, src, dst)
+        else:
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
     def execute(
         self,
@@ -157,6 +166,11 @@ class ModelRunner:
         dev = self.device
         bt_t = torch.from_numpy(bt).to(dev)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev), num_decode=nd)
+        if self.per_token_layout:
+            meta.block_tables = bt_t
+            meta.token_rows = torch.from_numpy(seq_of_token).to(dev)
+            meta.token_ctx = torch.from_numpy(positions + 1).to(dev)
+            meta.max_context = int(positions.max()) + 1
         if nd:
             ctx = starts[:nd] + 1
             meta.decode_block_tables = bt_t[:nd]

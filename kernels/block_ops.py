@@ -1,0 +1,59 @@
+"""Block copy (copy-on-write: every pair of a step over every layer in one launch) and block swap
+between device and host caches."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_blocks_kernel(C, SRC, DST, stride_plane, stride_block, N: tl.constexpr, CHUNK: tl.constexpr):
+    pair = tl.program_id(0)
+    plane = tl.program_id(1)
+    src = tl.load(SRC + pair)
+    dst = tl.load(DST + pair)
+    base = C + plane * stride_plane
+    for start in range(0, N, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        m = offs < N
+        x = tl.load(base + src * stride_block + offs, mask=m)
+        tl.store(base + dst * stride_block + offs, x, mask=m)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv_cache [..., NB, BS, D] contiguous (all layers, K and V, heads in the leading dims);
+    copies block ``src[i]`` into ``dst[i]`` in every leading plane. ``dst`` must not repeat."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("copy_blocks: the cache must be contiguous")
+    if src.shape != dst.shape or src.dim() != 1:
+        raise ValueError(f"copy_blocks: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be equal 1-d")
+    if src.numel() == 0:
+        return
+    nb, bs, d = kv_cache.shape[-3:]
+    planes = kv_cache.numel() // (nb * bs * d)
+    view = kv_cache.view(planes, nb, bs * d)
+    _copy_blocks_kernel[(src.numel(), planes)](
+        view,
+        src,
+        dst,
+        view.stride(0),
+        view.stride(1),
+        N=bs * d,
+        CHUNK=min(1024, triton.next_power_of_2(bs * d)),
+    )
+
+
+def swap_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy blocks ``src`` of one cache into blocks ``dst`` of another (device <-> pinned host), all
+    layers at once; the host side of the copy is asynchronous when the host cache is pinned."""
+    if src_cache.shape[:-3] != dst_cache.shape[:-3] or src_cache.shape[-2:] != dst_cache.shape[-2:]:
+        raise ValueError(f"swap_blocks: caches {tuple(src_cache.shape)} and {tuple(dst_cache.shape)} differ")
+    if src.numel() == 0:
+        return
+    moved = src_cache.index_select(-3, src.to(src_cache.device))
+    moved = moved.to(dst_cache.device, non_blocking=True)
+    dst_cache.index_copy_(-3, dst.to(dst_cache.device), moved)

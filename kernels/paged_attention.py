@@ -1,0 +1,242 @@
+"""Paged attention for one flattened mixed batch, in one launch (plus a reduce launch when the KV
+range is split).
+
+Every query token t (a decode token or a token of a prefill chunk) attends to the first
+``token_ctx[t]`` positions of its sequence (its own position + 1: causal within a chunk, the whole
+cached prefix before it), reading K/V block by block through ``block_tables[token_rows[t]]``.
+One program handles one token and one KV head, so the ``H / KVH`` query heads that share the KV
+head read each K/V block once (grouped-query attention). With ``num_splits > 1`` the context is cut
+into ranges handled by separate programs whose partial results (max, sum, output) a second kernel
+merges: the flash-decoding layout for long contexts with few sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    ROWS,
+    CTX,
+    OUT,
+    M_PART,
+    L_PART,
+    O_PART,
+    scale,
+    window,
+    blocks_per_split,
+    stride_qt,
+    stride_qh,
+    stride_ch,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(CTX + t)
+    row = tl.load(ROWS + t)
+    nblocks = tl.cdiv(ctx, BS)
+    first = sp * blocks_per_split
+    last = tl.minimum(nblocks, first + blocks_per_split)
+    if USE_WINDOW:
+        first = tl.maximum(first, (ctx - window) // BS)
+
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    offs_s = tl.arange(0, BS)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    q = tl.load(
+        Q + t * stride_qt + (kh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for j in range(first, last):
+        bid = tl.load(BT + row * stride_bt + j)
+        pos = j * BS + offs_s
+        valid = pos < ctx
+        if USE_WINDOW:
+            valid = valid & (pos > ctx - 1 - window)
+        off = kh * stride_ch + bid * stride_cb + offs_s[:, None] * stride_cs + offs_d[None, :]
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(KC + off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(VC + off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    heads = kh * G + offs_g
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            OUT + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None] & dmask[None, :],
+        )
+    else:
+        H = tl.num_programs(1) * G
+        part = (t * H + heads) * NUM_SPLITS + sp
+        tl.store(M_PART + part, m_i, mask=gmask)
+        tl.store(L_PART + part, l_i, mask=gmask)
+        tl.store(O_PART + part[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _reduce_kernel(
+    OUT,
+    M_PART,
+    L_PART,
+    O_PART,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, DP)
+    smask = offs_s < NUM_SPLITS
+    base = (t * H + h) * NUM_SPLITS
+    m = tl.load(M_PART + base + offs_s, mask=smask, other=float("-inf"))
+    l_ = tl.load(L_PART + base + offs_s, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(smask, tl.exp(m - m_max), 0.0)
+    acc = tl.load(
+        O_PART + (base + offs_s)[:, None] * D + offs_d[None, :],
+        mask=smask[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(l_ * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
+
+
+def choose_splits(
+    num_tokens: int, kv_heads: int, max_context: int, block_size: int, num_sms: int = 132
+) -> int:
+    """Split the KV range when too few (token, head) programs exist to fill the device and the
+    contexts are long: each split should still cover at least 16 blocks."""
+    programs = num_tokens * kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    blocks = -(-max_context // block_size)
+    return max(1, min(32, -(-2 * num_sms // max(programs, 1)), blocks // 16))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [KVH, NB, BS, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, W] int
+    token_rows: torch.Tensor,  # [T] int: the row of block_tables of each token
+    token_ctx: torch.Tensor,  # [T] int: positions each token attends to (its position + 1)
+    scale: float,
+    max_context: int,
+    window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    t, h, d = q.shape
+    kvh, _, bs, dc = k_cache.shape
+    if v_cache.shape != k_cache.shape or dc != d or h % kvh:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} and caches {tuple(k_cache.shape)} do not fit")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention: dtypes q {q.dtype}, cache {k_cache.dtype} must match")
+    if q.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("paged_attention: q's head dimension and the caches must be contiguous")
+    if token_rows.shape != (t,) or token_ctx.shape != (t,) or block_tables.dim() != 2:
+        raise ValueError("paged_attention: token_rows / token_ctx must be [T], block_tables [S, W]")
+    if block_tables.stride(1) != 1:
+        raise ValueError("paged_attention: block_tables rows must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
+    g = h // kvh
+    splits = num_splits or choose_splits(t, kvh, max_context, bs)
+    per_split = triton.cdiv(triton.cdiv(max(max_context, 1), bs), splits)
+    common = dict(
+        G=g,
+        GP=max(triton.next_power_of_2(g), 1),
+        D=d,
+        DP=triton.next_power_of_2(d),
+        BS=bs,
+        NUM_SPLITS=splits,
+        USE_WINDOW=window is not None,
+    )
+    if splits > 1:
+        m_part = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        o_part = torch.empty((t, h, splits, d), dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = o_part = out  # unused
+    _attn_kernel[(t, kvh, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        token_rows,
+        token_ctx,
+        out,
+        m_part,
+        l_part,
+        o_part,
+        scale,
+        window or 0,
+        per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        **common,
+    )
+    if splits > 1:
+        _reduce_kernel[(t, h)](
+            out,
+            m_part,
+            l_part,
+            o_part,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            SP=triton.next_power_of_2(splits),
+            D=d,
+            DP=triton.next_power_of_2(d),
+        )
+    return out

@@ -1,0 +1,43 @@
+"""Torch references of every kernel: slow, obvious, used by the tests and the GPU check."""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, token_rows, token_ctx, scale, window=None):
+    """q [T, H, D]; caches [KVH, NB, BS, D]; block_tables [S, W]; token_rows [T] (row of each token's
+    table); token_ctx [T] (how many positions token t attends to: its own position + 1)."""
+    t_count, h, d = q.shape
+    kvh, _, bs, _ = k_cache.shape
+    g = h // kvh
+    out = torch.empty_like(q)
+    for t in range(t_count):
+        ctx = int(token_ctx[t])
+        row = block_tables[int(token_rows[t])]
+        nb = -(-ctx // bs)
+        keys = k_cache[:, row[:nb]].reshape(kvh, nb * bs, d)[:, :ctx].float()
+        values = v_cache[:, row[:nb]].reshape(kvh, nb * bs, d)[:, :ctx].float()
+        qq = q[t].float().view(kvh, g, d)
+        s = torch.einsum("kgd,kld->kgl", qq, keys) * scale
+        if window is not None:
+            pos = torch.arange(ctx)
+            s[..., pos <= ctx - 1 - window] = float("-inf")
+        p = torch.softmax(s, dim=-1)
+        out[t] = torch.einsum("kgl,kld->kgd", p, values).reshape(h, d).to(q.dtype)
+    return out
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slots):
+    kvh, _, bs, d = k_cache.shape
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        k_cache[:, slot // bs, slot % bs] = k[t]
+        v_cache[:, slot // bs, slot % bs] = v[t]
+
+
+def copy_blocks_ref(kv_cache, src, dst):
+    """kv_cache [..., NB, BS, D] with the block axis third from the end."""
+    for s, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+        kv_cache[..., d_, :, :] = kv_cache[..., s, :, :].clone()

@@ -1,0 +1,276 @@
+"""The GPU check: on one CUDA device, in a few minutes,
+
+1. measures device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate;
+2. checks every Triton kernel against its torch reference at real sizes (relative error in float64,
+   outputs poisoned with NaN first so that every element must be written);
+3. times each kernel (median of many runs, CUDA events via ``triton.testing.do_bench``) against its
+   memory floor (bytes it must move / measured bandwidth);
+4. runs workloads S-gpu and B-gpu of WORKLOADS.md (bench-1b shape, random weights, bfloat16) for
+   batchgen and the transformers ``generate`` baseline;
+
+then prints one table and writes ``gpu_check.json`` to ``$OUT`` (or the current directory).
+
+    python scripts/gpu_check.py [--scale 1.0] [--skip-workloads] [--model-dir /tmp/bench-1b]
+
+``--scale`` shrinks the workloads' prompt counts (e.g. 0.25) to fit a short lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def bandwidth_gbs() -> float:
+    import triton.testing
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops() -> float:
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def check_attention(bw: float, rows: list) -> None:
+    import triton.testing
+
+    from kernels.paged_attention import paged_attention
+    from kernels.reference import paged_attention_ref
+
+    for name, seqs, ctx_len, kvh, h, d, bs in [
+        ("decode 256 x 2k", 256, 2048, 8, 32, 64, 16),
+        ("decode 4 x 32k (split-KV)", 4, 32768, 8, 32, 64, 16),
+        ("decode 64 x 4k, d128", 64, 4096, 8, 32, 128, 32),
+    ]:
+        nb_per = -(-ctx_len // bs)
+        num_blocks = seqs * nb_per + 8
+        dt = torch.bfloat16
+        kc = torch.randn((kvh, num_blocks, bs, d), device="cuda", dtype=dt)
+        vc = torch.randn_like(kc)
+        perm = torch.randperm(num_blocks - 8, device="cuda")[: seqs * nb_per] + 8
+        tables = perm.view(seqs, nb_per).contiguous()
+        rows_t = torch.arange(seqs, device="cuda")
+        ctx = torch.full((seqs,), ctx_len, device="cuda")
+        q = torch.randn((seqs, h, d), device="cuda", dtype=dt)
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out)
+        sub = slice(0, min(seqs, 4))
+        ref = paged_attention_ref(
+            q[sub].cpu().float(),
+            kc.cpu().float(),
+            vc.cpu().float(),
+            tables[sub].cpu(),
+            rows_t[sub].cpu(),
+            ctx[sub].cpu(),
+            d**-0.5,
+        )
+        err = rel_err(out[sub].float().cpu(), ref)
+        written = bool(torch.isfinite(out).all())
+        ms = triton.testing.do_bench(
+            lambda: paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out),  # noqa: B023
+            warmup=25,
+            rep=200,
+            return_mode="median",
+        )
+        nbytes = 2 * seqs * ctx_len * kvh * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append(
+            {
+                "kernel": f"paged_attention {name}",
+                "rel_err": err,
+                "all_written": written,
+                "ms": ms,
+                "GB/s": gbs,
+                "of_copy_bw": gbs / bw,
+            }
+        )
+
+
+def check_small_kernels(bw: float, rows: list) -> None:
+    import triton.testing
+
+    from kernels.block_ops import copy_blocks
+    from kernels.kv_write import write_kv
+    from kernels.reference import copy_blocks_ref
+
+    kvh, nb, bs, d, t = 8, 4096, 16, 128, 8192
+    kc = torch.randn((kvh, nb, bs, d), device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    k = torch.randn((t, kvh, d), device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(nb * bs, device="cuda")[:t]
+    slots[::97] = -1
+    write_kv(k, v, kc, vc, slots)
+    ok = bool(
+        torch.equal(kc[:, slots[slots >= 0] // bs, slots[slots >= 0] % bs].transpose(0, 1), k[slots >= 0])
+    )
+    ms = triton.testing.do_bench(
+        lambda: write_kv(k, v, kc, vc, slots), warmup=25, rep=200, return_mode="median"
+    )
+    nbytes = 4 * k.numel() * k.element_size()
+    rows.append(
+        {
+            "kernel": "write_kv 8192 tokens",
+            "rel_err": 0.0 if ok else 1.0,
+            "all_written": ok,
+            "ms": ms,
+            "GB/s": nbytes / (ms * 1e-3) / 1e9,
+            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
+        }
+    )
+
+    cache = torch.randn((16, 2, kvh, 2048, bs, d), device="cuda", dtype=torch.bfloat16)
+    src = torch.randperm(1024, device="cuda")[:256]
+    dst = torch.randperm(1024, device="cuda")[:256] + 1024
+    ref = cache.clone()
+    copy_blocks(cache, src, dst)
+    copy_blocks_ref(ref, src, dst)
+    ok = bool(torch.equal(cache, ref))
+    ms = triton.testing.do_bench(
+        lambda: copy_blocks(cache, src, dst), warmup=25, rep=200, return_mode="median"
+    )
+    nbytes = 2 * 256 * 16 * 2 * kvh * bs * d * cache.element_size()
+    rows.append(
+        {
+            "kernel": "copy_blocks 256 pairs x 16 layers",
+            "rel_err": 0.0 if ok else 1.0,
+            "all_written": ok,
+            "ms": ms,
+            "GB/s": nbytes / (ms * 1e-3) / 1e9,
+            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
+        }
+    )
+
+
+def run_workloads(model_dir: str, scale: float, rows: list) -> None:
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LLM, BeamSearchParams, SamplingParams
+
+    rng = np.random.default_rng(0)
+    vocab = 128256
+    specs = [("S-gpu", int(512 * scale), 256, "sample"), ("B-gpu", int(256 * scale), 128, "beam")]
+    llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=512, max_num_batched_tokens=8192)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).cuda()
+    for name, n, new, kind in specs:
+        prompts = [rng.integers(3, vocab, size=int(x)).tolist() for x in rng.integers(128, 1025, size=n)]
+        if kind == "sample":
+            params = SamplingParams(n=8, temperature=0.8, top_p=0.95, max_tokens=new, ignore_eos=True, seed=0)
+            useful = n * 8 * new
+        else:
+            params = BeamSearchParams(beam_width=4, max_tokens=new, ignore_eos=True)
+            useful = n * 4 * new
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        bg = useful / (time.perf_counter() - t0)
+        best = 0.0
+        for bsz in (8, 32):
+            t0 = time.perf_counter()
+            for i in range(0, n, bsz):
+                batch = prompts[i : i + bsz]
+                width = max(map(len, batch))
+                ids = torch.zeros((len(batch), width), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for j, p in enumerate(batch):
+                    ids[j, width - len(p) :] = torch.tensor(p)
+                    mask[j, width - len(p) :] = 1
+                kw = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0, attention_mask=mask.cuda())
+                if kind == "sample":
+                    kw.update(do_sample=True, temperature=0.8, top_p=0.95, num_return_sequences=8)
+                else:
+                    kw.update(num_beams=4, num_return_sequences=4, do_sample=False)
+                with torch.no_grad():
+                    hf.generate(ids.cuda(), **kw)
+            torch.cuda.synchronize()
+            best = max(best, useful / (time.perf_counter() - t0))
+        rows.append(
+            {
+                "workload": name,
+                "prompts": n,
+                "batchgen_tok_s": bg,
+                "transformers_tok_s": best,
+                "ratio": bg / best,
+            }
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--skip-workloads", action="store_true")
+    ap.add_argument("--model-dir", default="/tmp/bench-1b")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "the GPU check needs a CUDA device"
+    out_dir = Path(os.environ.get("OUT", "."))
+    bw = bandwidth_gbs()
+    tf = matmul_tflops()
+    print(
+        f"device {torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s, bf16 matmul {tf:.0f} TFLOP/s"
+    )
+    kernels: list = []
+    check_attention(bw, kernels)
+    check_small_kernels(bw, kernels)
+    workloads: list = []
+    if not args.skip_workloads:
+        if not (Path(args.model_dir) / "config.json").exists():
+            from batchgen.tiny import make_model
+
+            make_model(
+                args.model_dir,
+                "llama",
+                vocab_size=128256,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_layers=16,
+                num_heads=32,
+                num_kv_heads=8,
+                max_positions=131072,
+                tie_word_embeddings=True,
+                initializer_range=0.02,
+                tokenizer_vocab=512,
+            )
+        run_workloads(args.model_dir, args.scale, workloads)
+    print("| kernel | rel. error | all written | median ms | GB/s | of copy bandwidth |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in kernels:
+        print(
+            f"| {r['kernel']} | {r['rel_err']:.1e} | {r['all_written']} | {r['ms']:.3f} | {r['GB/s']:.0f} | "
+            f"{r['of_copy_bw']:.0%} |"
+        )
+    if workloads:
+        print("| workload | batchgen tok/s | transformers tok/s | ratio |")
+        print("| --- | --- | --- | --- |")
+        for r in workloads:
+            print(
+                f"| {r['workload']} ({r['prompts']} prompts) | {r['batchgen_tok_s']:.0f} | "
+                f"{r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x |"
+            )
+    (out_dir / "gpu_check.json").write_text(
+        json.dumps({"copy_GBs": bw, "bf16_TFLOPs": tf, "kernels": kernels, "workloads": workloads}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
