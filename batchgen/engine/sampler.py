@@ -85,7 +85,7 @@ def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tenso
     pad = (-vocab) % block
     p = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     blocks = p.view(rows, -1, block)
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
     target = u * block_cdf[:, -1]
     b = torch.searchsorted(block_cdf, target[:, None]).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
@@ -97,7 +97,7 @@ def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tenso
 
 
 def _sample_top_p_by_rejection(
-    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4
+    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from the full distribution and accept a token iff it lies in the nucleus (the mass of
     strictly more likely tokens is below ``top_p``): accepted draws follow the renormalized nucleus
@@ -106,7 +106,7 @@ def _sample_top_p_by_rejection(
     dev = probs.device
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     pending = torch.arange(n, device=dev)
-    total = probs.sum(dim=-1)
+    total = probs.sum(dim=-1) if normalize else torch.ones(n, device=dev, dtype=probs.dtype)
     for attempt in range(rounds):
         if pending.numel() == 0:
             break
@@ -118,7 +118,9 @@ def _sample_top_p_by_rejection(
         )
         tok = _draw(sub, u)
         p_tok = sub.gather(1, tok[:, None])
-        above = (sub * (sub > p_tok)).sum(dim=-1)
+        # mass of strictly more likely tokens: sum(relu(p - p_tok)) + p_tok * count(p > p_tok)
+        diff = (sub - p_tok).relu_()
+        above = diff.sum(dim=-1) + p_tok.squeeze(1) * (diff > 0).sum(dim=-1)
         ok = above < top_p[pending] * total[pending]
         tokens[pending[ok]] = tok[ok]
         pending = pending[~ok]
@@ -170,7 +172,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         _penalize(x, rows, pen)
 
     greedy_rows = [r.params.temperature == 0 for r in rows]
-    tokens = x.argmax(dim=-1)
+    tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(n, dtype=torch.long, device=dev)
     if not all(greedy_rows):
         greedy = torch.tensor(greedy_rows, device=dev)
         temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev, dtype=x.dtype)
@@ -197,7 +199,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             )
             sampled[plain] = _draw(probs[plain], u)
         if nucleus:
-            tok, left = _sample_top_p_by_rejection(probs[nucleus], [rows[i] for i in nucleus], top_p[nucleus])
+            everyone = len(nucleus) == n
+            tok, left = _sample_top_p_by_rejection(
+                probs if everyone else probs[nucleus],
+                [rows[i] for i in nucleus],
+                top_p if everyone else top_p[nucleus],
+                normalize=any(min_p),
+            )
             sampled[nucleus] = tok
             with_k += [nucleus[i] for i in left.tolist()]
         if with_k:

@@ -96,12 +96,16 @@ class JobRunner:
                     )
                 shutil.rmtree(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(
-            manifest,
-            json.dumps(
-                {"fingerprint": fingerprint, "config": self.cfg.source_file}, indent=2, default=str
-            ).encode(),
-        )
+        self.manifest = {"fingerprint": fingerprint, "config": self.cfg.source_file, "shards": {}}
+        self._write_manifest()
+
+    def _write_manifest(self, sink: ShardSink | None = None) -> None:
+        """Record the config's fingerprint and every shard on disk with its row count. The shards
+        themselves stay the source of truth: a crash between a shard's rename and this write loses
+        nothing, the next run lists that shard here too."""
+        if sink is not None:
+            self.manifest["shards"] = sink.shard_rows()
+        atomic_write_bytes(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     # -- request building (reader thread) ------------------------------------------------------
     def _build(self, tokenizer, row: dict[str, Any], rid: str) -> Request:
@@ -301,9 +305,11 @@ class JobRunner:
                     buf.append(item)
                 if buf and (len(buf) >= per_shard or time.monotonic() - last >= flush_s):
                     sink.write(buf, schema)
+                    self._write_manifest(sink)
                     buf, last = [], time.monotonic()
             if buf:
                 sink.write(buf, schema)
+                self._write_manifest(sink)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

@@ -69,9 +69,26 @@ class ShardSink:
             max((int(m.group(1)) for m in map(_SHARD.match, os.listdir(self.dir)) if m), default=-1) + 1
         )
         self.schema: pa.Schema | None = None
+        self._rows_by_shard: dict[str, int] | None = None
 
     def shards(self) -> list[Path]:
         return sorted(p for p in self.dir.iterdir() if _SHARD.match(p.name))
+
+    def shard_rows(self) -> dict[str, int]:
+        """Every shard on disk and its row count (read once, then kept up to date by ``write``)."""
+        if self._rows_by_shard is None:
+            self._rows_by_shard = self._scan_rows()
+        return dict(self._rows_by_shard)
+
+    def _scan_rows(self) -> dict[str, int]:
+        out = {}
+        for shard in self.shards():
+            if shard.suffix == ".parquet":
+                out[shard.name] = pq.ParquetFile(shard).metadata.num_rows
+            else:
+                with open(shard) as f:
+                    out[shard.name] = sum(1 for line in f if line.strip())
+        return out
 
     def done_ids(self) -> set[str]:
         done: set[str] = set()
@@ -114,6 +131,8 @@ class ShardSink:
         else:
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
             atomic_write_bytes(path, data)
+        if self._rows_by_shard is not None:
+            self._rows_by_shard[path.name] = len(rows)
         return path
 
     def _table(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> pa.Table:

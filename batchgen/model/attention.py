@@ -30,38 +30,25 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeBucket:
-    """Decode rows of similar context length, so that a padded gather wastes little."""
+class DecodeGroups:
+    """Decode rows attended a group at a time. A group is one row, or the rows whose block tables
+    start with the same full blocks (the n samples of a prompt, the beams of a search, requests that
+    hit the same cached prefix). A group's keys are its shared blocks once, then each row's own
+    blocks; ``mask`` says which key positions each row sees. Groups of similar size are batched:
+    ``G`` groups of at most ``R`` rows and ``U`` blocks."""
 
-    rows: torch.Tensor | None  # [n] long rows of the decode part, or None for all of them
-    block_tables: torch.Tensor  # [n, blocks] long, cut to the longest context of the bucket
-    context_lens: torch.Tensor  # [n] long, including the new token
-
-
-@dataclass
-class SharedPrefixes:
-    """Groups of decode rows whose block tables start with the same full, immutable blocks (the n
-    samples of a prompt, the beams of a search, requests that hit the same cached prefix).
-    Attention over each shared prefix is computed once for all its rows (cascade attention), all
-    groups in one batched op: group g has rows ``row_index[g, :]`` (where ``row_valid``) and
-    prefix ``block_tables[g]`` of ``prefix_lens[g]`` tokens."""
-
-    row_index: torch.Tensor  # [G, R] long, padded with row 0
+    row_index: torch.Tensor  # [G, R] long decode rows, padded with 0
     row_valid: torch.Tensor  # [G, R] bool
-    block_tables: torch.Tensor  # [G, P] long, padded with block 0
-    prefix_lens: torch.Tensor  # [G] long, tokens
+    block_tables: torch.Tensor  # [G, U] long, padded with block 0
+    mask: torch.Tensor  # [G, R, U * block_size] bool: True = attend
+    context_lens: torch.Tensor  # [G, R] long (for sliding windows; groups of one row only)
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset for each token
     num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
-    decode_context_lens: torch.Tensor | None = None  # [num_decode] long, including the new token
-    decode_max_context: int = 0
-    decode_buckets: list[DecodeBucket] = field(default_factory=list)
-    # with shared prefixes, the buckets hold each row's blocks *after* its shared prefix
-    decode_shared: SharedPrefixes | None = None
+    decode_groups: list[DecodeGroups] = field(default_factory=list)
     # The same batch per token, for kernels that treat every token alike (the Triton backend):
     block_tables: torch.Tensor | None = None  # [S, W] long, one row per scheduled sequence
     token_rows: torch.Tensor | None = None  # [T] long: each token's row of block_tables
@@ -100,18 +87,6 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return cache[:, block_table].flatten(-3, -2)
 
 
-def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None
-):
-    """q [kvh, B, g, d] against keys / values [kvh, B, L, d] (``mask`` [B, L]: True = attend).
-    Returns the output [kvh, B, g, d] and the log-sum-exp [kvh, B, g] of the scores."""
-    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[None, :, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return torch.matmul(torch.exp(s - lse), values), lse.squeeze(-1)
-
-
 class TorchAttention:
     """Reference backend in plain torch: gathers blocks and computes attention with matmuls.
     The caches are head-major: [kv_heads, num_blocks, block_size, head_dim].
@@ -137,55 +112,23 @@ class TorchAttention:
         nd, h, d = q.shape
         kvh = k_cache.shape[0]
         g = h // kvh
-        qh = q.view(nd, kvh, g, d).transpose(0, 1)  # [kvh, nd, g, d]
-        buckets = meta.decode_buckets or [
-            DecodeBucket(
-                None,
-                meta.decode_block_tables[:, : -(-meta.decode_max_context // k_cache.shape[2])],
-                meta.decode_context_lens,
-            )
-        ]
+        qh = (q * scale).view(nd, kvh, g, d).transpose(0, 1)  # [kvh, nd, g, d]
         out = torch.empty((kvh, nd, g, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((kvh, nd, g), dtype=torch.float32, device=q.device)
-        # With shared prefixes, the buckets hold each row's blocks after its prefix.
-        for b in buckets:
-            rows = b.rows
-            keys = gather(k_cache, b.block_tables)
-            values = gather(v_cache, b.block_tables)
-            pos = torch.arange(keys.shape[2], device=q.device)[None, :]
-            ctx = b.context_lens[:, None]
-            mask = pos < ctx
-            if window is not None:  # (no shared prefixes with windows: positions are absolute here)
-                mask &= pos > ctx - 1 - window
-            o, l_ = attend(qh if rows is None else qh[:, rows], keys, values, scale, mask)
-            if rows is None:
-                out, lse = o, l_.float()
-            else:
-                out[:, rows] = o
-                lse[:, rows] = l_.float()
-        if meta.decode_shared is not None:
-            self._merge_shared_prefixes(qh, out, lse, k_cache, v_cache, meta.decode_shared, scale)
+        for gb in meta.decode_groups:
+            groups, rows = gb.row_index.shape
+            keys = gather(k_cache, gb.block_tables)  # [kvh, G, L, d]
+            values = gather(v_cache, gb.block_tables)
+            length = keys.shape[2]
+            s = torch.matmul(qh[:, gb.row_index].reshape(kvh, groups, rows * g, d), keys.transpose(-1, -2))
+            mask = gb.mask
+            if window is not None:  # groups are single rows here: key position = absolute position
+                pos = torch.arange(length, device=q.device)
+                mask = mask & (pos[None, None, :] > gb.context_lens[:, :, None] - 1 - window)
+            s = s.view(kvh, groups, rows, g, length).masked_fill(~mask[None, :, :, None, :], float("-inf"))
+            p = torch.softmax(s, dim=-1).view(kvh, groups, rows * g, length)
+            o = torch.matmul(p, values).view(kvh, groups, rows, g, d)
+            out[:, gb.row_index[gb.row_valid]] = o[:, gb.row_valid]
         return out.transpose(0, 1).reshape(nd, h, d)
-
-    @staticmethod
-    def _merge_shared_prefixes(qh, out, lse, k_cache, v_cache, sp, scale):
-        """Cascade attention: each shared prefix attended once by all its rows (its rows become extra
-        query heads of one batch entry), merged into the rows' outputs by log-sum-exp."""
-        kvh, _, g, d = qh.shape
-        groups, rmax = sp.row_index.shape
-        keys = gather(k_cache, sp.block_tables)  # [kvh, G, L, d]
-        values = gather(v_cache, sp.block_tables)
-        qs = qh[:, sp.row_index].reshape(kvh, groups, rmax * g, d)
-        mask = torch.arange(keys.shape[2], device=qh.device)[None, :] < sp.prefix_lens[:, None]
-        o_p, l_p = attend(qs, keys, values, scale, mask)
-        o_p = o_p.view(kvh, groups, rmax, g, d)[:, sp.row_valid]  # [kvh, rows, g, d]
-        l_p = l_p.view(kvh, groups, rmax, g)[:, sp.row_valid].float()
-        rows = sp.row_index[sp.row_valid]
-        l_s = lse[:, rows]
-        m = torch.maximum(l_s, l_p)
-        w_s, w_p = torch.exp(l_s - m), torch.exp(l_p - m)
-        merged = (out[:, rows] * w_s[..., None] + o_p * w_p[..., None]) / (w_s + w_p)[..., None]
-        out[:, rows] = merged.to(out.dtype)
 
     def _prefill(self, q, k_cache, v_cache, chunk, scale, window):
         n, ctx = chunk.num_tokens, chunk.context_len

@@ -19,9 +19,8 @@ from batchgen.engine.block_manager import BlockManager, CopyPair
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.model.attention import (
     AttentionMetadata,
-    DecodeBucket,
+    DecodeGroups,
     PrefillChunk,
-    SharedPrefixes,
     TorchAttention,
     make_backend,
 )
@@ -172,20 +171,7 @@ class ModelRunner:
             meta.token_ctx = torch.from_numpy(positions + 1).to(dev)
             meta.max_context = int(positions.max()) + 1
         if nd:
-            ctx = starts[:nd] + 1
-            meta.decode_block_tables = bt_t[:nd]
-            meta.decode_context_lens = torch.from_numpy(ctx).to(dev)
-            meta.decode_max_context = int(ctx.max())
-            shared = self._shared_prefixes(bt[:nd], ctx) if self.cascade else []
-            if shared:
-                suffix_bt, suffix_ctx = self._suffix_tables(bt[:nd], ctx, shared)
-                suffix_ctx_t = torch.from_numpy(suffix_ctx).to(dev)
-                meta.decode_buckets = self._buckets(
-                    suffix_ctx, torch.from_numpy(suffix_bt).to(dev), suffix_ctx_t
-                )
-                meta.decode_shared = self._shared_batch(bt[:nd], shared)
-            else:
-                meta.decode_buckets = self._buckets(ctx, bt_t[:nd], meta.decode_context_lens)
+            meta.decode_groups = self._decode_groups(bt[:nd], starts[:nd] + 1)
         for row in range(nd, len(order)):
             s = order[row]
             nblocks = -(-(s.start + s.num_new_tokens) // bs)
@@ -240,42 +226,49 @@ class ModelRunner:
                 out.append((rows, n))
         return out
 
-    def _shared_batch(self, bt: np.ndarray, shared: list[tuple[np.ndarray, int]]) -> SharedPrefixes:
-        groups, rmax, pmax = len(shared), max(len(r) for r, _ in shared), max(n for _, n in shared)
-        row_index = np.zeros((groups, rmax), dtype=np.int64)
-        row_valid = np.zeros((groups, rmax), dtype=bool)
-        tables = np.zeros((groups, pmax), dtype=np.int64)
-        lens = np.zeros(groups, dtype=np.int64)
-        for i, (rows, n) in enumerate(shared):
-            row_index[i, : len(rows)] = rows
-            row_valid[i, : len(rows)] = True
-            tables[i, :n] = bt[rows[0], :n]
-            lens[i] = n * self.block_size
-        dev = self.device
-        return SharedPrefixes(*(torch.from_numpy(a).to(dev) for a in (row_index, row_valid, tables, lens)))
-
-    def _suffix_tables(self, bt: np.ndarray, ctx: np.ndarray, shared: list[tuple[np.ndarray, int]]):
-        """Each row's block table and context length after its shared prefix."""
-        skip = np.zeros(len(ctx), dtype=np.int64)
-        for rows, n in shared:
-            skip[rows] = n
-        width = bt.shape[1]
-        cols = np.arange(width)[None, :] + skip[:, None]
-        suffix = np.where(cols < width, np.take_along_axis(bt, np.minimum(cols, width - 1), axis=1), 0)
-        return suffix, ctx - skip * self.block_size
-
-    def _buckets(self, ctx: np.ndarray, bt: torch.Tensor, ctx_t: torch.Tensor) -> list[DecodeBucket]:
-        """Group decode rows by context length (powers of two in blocks): a padded gather then
-        moves at most about twice the bytes the contexts hold."""
-        nblocks = -(-ctx // self.block_size)
-        key = np.ceil(np.log2(nblocks)).astype(np.int64)
-        if key.min() == key.max():
-            return [DecodeBucket(None, bt[:, : int(nblocks.max())], ctx_t)]
+    def _decode_groups(self, bt: np.ndarray, ctx: np.ndarray) -> list[DecodeGroups]:
+        """Decode rows in groups that share leading blocks (each shared block is then read once for
+        all the group's rows), batched by similar size so that padding wastes little."""
+        bs = self.block_size
+        nblocks = -(-ctx // bs)
+        shared = self._shared_prefixes(bt, ctx) if self.cascade else []
+        alone = np.ones(len(ctx), dtype=bool)
+        for rows, _ in shared:
+            alone[rows] = False
+        groups = shared + [(np.array([r]), 0) for r in np.flatnonzero(alone)]
+        sizes = [n + int((nblocks[rows] - n).sum()) for rows, n in groups]
+        keys = [
+            (int(np.ceil(np.log2(u))), int(np.ceil(np.log2(len(rows)))))
+            for u, (rows, _) in zip(sizes, groups, strict=True)
+        ]
         out = []
-        for k in np.unique(key):
-            rows = np.nonzero(key == k)[0]
-            idx = torch.from_numpy(rows).to(bt.device)
-            out.append(DecodeBucket(idx, bt[idx, : int(nblocks[rows].max())], ctx_t[idx]))
+        for key in sorted(set(keys)):
+            members = [i for i, k in enumerate(keys) if k == key]
+            g_count = len(members)
+            r_max = max(len(groups[i][0]) for i in members)
+            u_max = max(sizes[i] for i in members)
+            tables = np.zeros((g_count, u_max), dtype=np.int64)
+            mask = np.zeros((g_count, r_max, u_max * bs), dtype=bool)
+            row_index = np.zeros((g_count, r_max), dtype=np.int64)
+            valid = np.zeros((g_count, r_max), dtype=bool)
+            lens = np.zeros((g_count, r_max), dtype=np.int64)
+            for gi, i in enumerate(members):
+                rows, n = groups[i]
+                tables[gi, :n] = bt[rows[0], :n]
+                col = n
+                for ri, r in enumerate(rows):
+                    own = nblocks[r] - n
+                    tables[gi, col : col + own] = bt[r, n : nblocks[r]]
+                    mask[gi, ri, : n * bs] = True
+                    mask[gi, ri, col * bs : col * bs + ctx[r] - n * bs] = True
+                    col += own
+                row_index[gi, : len(rows)] = rows
+                valid[gi, : len(rows)] = True
+                lens[gi, : len(rows)] = ctx[rows]
+            dev = self.device
+            out.append(
+                DecodeGroups(*(torch.from_numpy(a).to(dev) for a in (row_index, valid, tables, mask, lens)))
+            )
         return out
 
     def _sync(self) -> None:
