@@ -4,7 +4,7 @@
     python scripts/profile_step.py [--model models/bench-56m] [--steps 24]
 
 Prints each part's share of the step: the model forward (of which attention: KV write, block
-gather, SDPA), the LM head, sampling, scheduler + block manager, input building, post-processing
+gather, scores, softmax), the LM head, sampling, scheduler + block manager, input building, post-processing
 (token append, stop checks), output assembly / detokenization. "Overhead" is everything outside
 the model forward and LM head.
 """
@@ -59,7 +59,7 @@ def main() -> None:
     s = llm.stats()
     parts = {
         "model forward (linear layers, norms, rope)": s["forward_s"] - s["attention_s"],
-        "  attention (KV write, block gather, SDPA)": s["attention_s"],
+        "  attention (KV write, block gather, scores, softmax)": s["attention_s"],
         "LM head": s["lm_head_s"],
         "sampling (torch)": s["sampler_s"],
         "post-processing (append, stop checks, forks)": s["sample_s"] - s["sampler_s"],
