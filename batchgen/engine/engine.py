@@ -147,6 +147,12 @@ class LLMEngine:
             for seq in group.seqs:
                 self._pending.pop(seq.seq_id, None)
         if out.is_empty:
+            if not self.scheduler.running and self.scheduler.waiting:
+                group = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"request {group.request_id} cannot be scheduled: it needs more KV blocks than the pool's "
+                    f"{self.bm.num_blocks} free ones; raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens / n"
+                )
             return self._collect()
         t1 = time.perf_counter()
         logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks)

@@ -144,6 +144,7 @@ class Scheduler:
     def _plan(self, group: SequenceGroup, budget: int) -> tuple[list[_Plan], int]:
         plans, need = [], 0
         bs = self.bm.block_size
+        computing: set[int] = set()  # blocks an earlier sequence of this group fills this step
         for seq in group.live_seqs:
             if budget <= 0:
                 break
@@ -153,9 +154,15 @@ class Scheduler:
             if start == 0 and not self.bm.table(seq.seq_id):
                 # Keep at least one token to compute: its logits are what the step is for.
                 match = self.bm.match_prefix(seq.token_ids, group.cache_key, (seq.num_tokens - 1) // bs)
+                if match.next_hash is not None and match.next_hash in computing:
+                    # A sibling recomputes this sequence's next blocks right now (after a
+                    # preemption): take them from the cache next step instead of a second copy.
+                    continue
                 start = match.num_blocks * bs
                 need += match.num_free_hits
             num_new = min(seq.num_tokens - start, budget)
+            if match is not None and len(group.seqs) > 1:
+                computing.update(self.bm.chain_hashes(seq.token_ids, match, start + num_new, group.cache_key))
             if match is not None:
                 blocks = -(-(start + num_new) // bs) - match.num_blocks
             else:

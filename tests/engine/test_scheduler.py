@@ -141,3 +141,26 @@ def test_fresh_allocation_never_evicts_a_block_another_sequence_of_the_group_mat
     assert bm.table(s1.seq_id)[:2] == prompt_blocks
     assert bm.table(s0.seq_id)[1] not in prompt_blocks
     bm.check_invariants()
+
+
+def test_recomputed_group_shares_its_prompt_even_after_eviction():
+    """A preempted n=3 group whose cached blocks were evicted needs 4 + 3 x 1 blocks, not 3 x 5:
+    the first sequence recomputes the prompt, its siblings wait a step and take it from the cache."""
+    bm = BlockManager(10, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    prompt = list(range(50, 66))  # 4 full blocks
+    g = make_group("0", prompt, n=3)
+    g.seqs[:] = [Sequence(g, i, prompt + [90 + i, 95 + i], 16, seed=0) for i in range(3)]
+    sched.add(g)
+    first = run_step(sched)
+    assert [(s.seq.index, s.start, s.num_new_tokens) for s in first.scheduled] == [(0, 0, 18)]
+    second = run_step(sched)
+    assert sorted((s.seq.index, s.start, s.num_new_tokens) for s in second.scheduled) == [
+        (0, 18, 1),
+        (1, 16, 2),
+        (2, 16, 2),
+    ]
+    tables = [bm.table(s.seq_id) for s in g.seqs]
+    assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+    assert bm.num_used_blocks == 4 + 3 * 1  # the shared prompt, then one own block each
+    bm.check_invariants()
