@@ -237,11 +237,11 @@ class LLMEngine:
             token_ids=list(parent.token_ids),
             num_prompt_tokens=parent.num_prompt_tokens,
             seed=derive_seed(parent.base_seed, index),
-            num_computed_tokens=parent.num_computed_tokens,  # type: ignore[attr-defined]
+            base_seed=parent.base_seed,
+            num_computed_tokens=parent.num_computed_tokens,
             status=parent.status,
             cumulative_logprob=parent.cumulative_logprob,
         )
-        child.base_seed = parent.base_seed  # type: ignore[attr-defined]
         if parent.logprobs is not None:
             child.logprobs = list(parent.logprobs)
         if parent.detok is not None:

@@ -32,7 +32,8 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    seed: int
+    seed: int  # this completion's sampling seed
+    base_seed: int = 0  # the request's seed: completion i of a fork gets derive_seed(base_seed, i)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -85,7 +86,6 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     beam: Any = None  # BeamState for beam search requests
-    finished_outputs: list[Any] | None = None
 
     @property
     def is_beam(self) -> bool:
