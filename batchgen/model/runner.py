@@ -68,6 +68,7 @@ class ModelRunner:
         # Cascade attention over shared prefixes (off for sliding-window models: it needs whole prefixes).
         self.cascade = all(lw.sliding_window is None for lw in self.model.layers)
         self.cascade_min_blocks = 2
+        self.max_group_rows = 8
         self.per_token_layout = not isinstance(self.backend, TorchAttention)
         if self.per_token_layout:
             self.cascade = False
@@ -235,7 +236,11 @@ class ModelRunner:
         alone = np.ones(len(ctx), dtype=bool)
         for rows, _ in shared:
             alone[rows] = False
-        groups = shared + [(np.array([r]), 0) for r in np.flatnonzero(alone)]
+        # Big groups are cut into groups of at most ``max_group_rows``: every row of a group scores
+        # the other rows' own blocks too (masked), so that work grows with the group's size squared.
+        cap = self.max_group_rows
+        groups = [(rows[i : i + cap], n) for rows, n in shared for i in range(0, len(rows), cap)]
+        groups += [(np.array([r]), 0) for r in np.flatnonzero(alone)]
         sizes = [n + int((nblocks[rows] - n).sum()) for rows, n in groups]
         keys = [
             (int(np.ceil(np.log2(u))), int(np.ceil(np.log2(len(rows)))))
