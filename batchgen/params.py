@@ -237,6 +237,3 @@ class BeamSearchParams(_Params):
     @property
     def group_size(self) -> int:
         return self.beam_width
-
-
-GenerationParams = SamplingParams | BeamSearchParams

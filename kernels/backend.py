@@ -4,8 +4,6 @@ runs under ``TRITON_INTERPRET=1``, which is how its parity with the torch backen
 
 from __future__ import annotations
 
-import torch
-
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_attention
 
@@ -27,9 +25,3 @@ class TritonAttention:
             max_context=meta.max_context,
             window=sliding_window,
         )
-
-
-def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    from kernels.block_ops import copy_blocks
-
-    copy_blocks(kv_cache, src, dst)

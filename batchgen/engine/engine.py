@@ -179,6 +179,9 @@ class LLMEngine:
         st["decode_tokens"] += sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         if self.cfg.debug_checks:
             self.bm.check_invariants()
+            for group in self.scheduler.running:
+                for seq in group.seqs:
+                    seq.check()
         t4 = time.perf_counter()
         done = self._collect()
         st["output_s"] += time.perf_counter() - t4

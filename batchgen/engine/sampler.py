@@ -128,11 +128,12 @@ def _sample_top_p_by_rejection(
 
 
 def _sample_sorted(
-    x: torch.Tensor, rows: list[SampleRow], idx: list[int], top_k: torch.Tensor, top_p: torch.Tensor
+    probs: torch.Tensor, rows: list[SampleRow], idx: list[int], top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Exact truncation by sorting (top-k, and top-p rows the rejection path could not settle)."""
-    dev = x.device
-    sub = x[idx]
+    """Exact truncation by sorting (top-k, and top-p rows the rejection path could not settle).
+    ``probs`` already carry temperature and min-p."""
+    dev = probs.device
+    sub = torch.log(probs[idx])
     k_max = int(top_k[idx].max())
     if 0 < k_max <= 1024 and bool((top_k[idx] > 0).all()):
         sub, order = sub.topk(k_max, dim=-1)
@@ -209,8 +210,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             sampled[nucleus] = tok
             with_k += [nucleus[i] for i in left.tolist()]
         if with_k:
-            logp = torch.log(probs)  # min_p already applied; temperature already in probs
-            sampled[with_k] = _sample_sorted(logp, rows, with_k, top_k, top_p)
+            sampled[with_k] = _sample_sorted(probs, rows, with_k, top_k, top_p)
         tokens = torch.where(greedy, tokens, sampled)
 
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

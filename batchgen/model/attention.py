@@ -6,9 +6,10 @@ Batch layout (built by the runner each step)::
                decode tokens, one     prefill chunks, each attending to its cached /
                per sequence           computed prefix and causally to itself
 
-``AttentionMetadata`` carries the slot of every token (where its K/V is written), the decode
-sequences' block tables and context lengths as tensors, and one ``PrefillChunk`` per prefill.
-A backend implements ``forward`` for one layer; ``TorchAttention`` runs anywhere.
+``AttentionMetadata`` carries the slot of every token (where its K/V is written), and either the
+decode rows in ``DecodeGroups`` plus one ``PrefillChunk`` per prefill (torch backend) or the same
+batch per token (Triton backend). The caches are head-major, ``[kv_heads, num_blocks, block_size,
+head_dim]`` per layer. A backend implements ``forward`` for one layer; ``TorchAttention`` runs anywhere.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    seconds: float  # time spent in ``forward`` where the host can measure it
+
     def forward(
         self,
         q: torch.Tensor,  # [T, heads, head_dim]
         k: torch.Tensor,  # [T, kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

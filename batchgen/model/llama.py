@@ -136,9 +136,7 @@ class LlamaModel:
             else:  # q and k side by side in qkv: rotate both in one pass
                 qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
                 q, k = qk[:, :h], qk[:, h:]
-            o = backend.forward(
-                q, k, v.contiguous(), kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window
-            )
+            o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window)
             x = residual + F.linear(o.reshape(t, h * d), lw.o_proj)
             residual = x
             y = rms_norm(x, lw.post_norm, self.eps)

@@ -65,13 +65,13 @@ class ModelRunner:
         self.model = LlamaModel(hf_config, cfg.model, self.device, self.dtype, max_model_len)
         self.backend = make_backend(cfg.attention_backend, self.device)
         self.times = RunnerTimes()
-        # Cascade attention over shared prefixes (off for sliding-window models: it needs whole prefixes).
-        self.cascade = all(lw.sliding_window is None for lw in self.model.layers)
-        self.cascade_min_blocks = 2
-        self.max_group_rows = 8
+        # The Triton backend reads the batch per token; the torch backend per decode group / prefill.
         self.per_token_layout = not isinstance(self.backend, TorchAttention)
-        if self.per_token_layout:
-            self.cascade = False
+        # Decode rows sharing leading blocks attend as one group (not with sliding windows: a group's
+        # key positions are not absolute there).
+        self.group_shared_prefixes = all(lw.sliding_window is None for lw in self.model.layers)
+        self.min_shared_blocks = 2
+        self.max_group_rows = 8
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
         m = self.model
@@ -171,14 +171,17 @@ class ModelRunner:
             meta.token_rows = torch.from_numpy(seq_of_token).to(dev)
             meta.token_ctx = torch.from_numpy(positions + 1).to(dev)
             meta.max_context = int(positions.max()) + 1
-        if nd:
-            meta.decode_groups = self._decode_groups(bt[:nd], starts[:nd] + 1)
-        for row in range(nd, len(order)):
-            s = order[row]
-            nblocks = -(-(s.start + s.num_new_tokens) // bs)
-            meta.prefills.append(
-                PrefillChunk(int(cu[row]), s.num_new_tokens, s.start + s.num_new_tokens, bt_t[row, :nblocks])
-            )
+        else:
+            if nd:
+                meta.decode_groups = self._decode_groups(bt[:nd], starts[:nd] + 1)
+            for row in range(nd, len(order)):
+                s = order[row]
+                nblocks = -(-(s.start + s.num_new_tokens) // bs)
+                meta.prefills.append(
+                    PrefillChunk(
+                        int(cu[row]), s.num_new_tokens, s.start + s.num_new_tokens, bt_t[row, :nblocks]
+                    )
+                )
 
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(positions).to(dev)
@@ -186,7 +189,7 @@ class ModelRunner:
         row_of = {id(s): i for i, s in enumerate(order)}
         last = [int(cu[row_of[id(s)] + 1]) - 1 for s in scheduled if s.samples]
         t2 = time.perf_counter()
-        attention_before = getattr(self.backend, "seconds", 0.0)
+        attention_before = self.backend.seconds
         hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend)
         self._sync()
         t3 = time.perf_counter()
@@ -201,13 +204,13 @@ class ModelRunner:
         tm.copy += t1 - t0
         tm.prepare += t2 - t1
         tm.forward += t3 - t2
-        tm.attention += getattr(self.backend, "seconds", 0.0) - attention_before
+        tm.attention += self.backend.seconds - attention_before
         tm.lm_head += t4 - t3
         return logits
 
     def _shared_prefixes(self, bt: np.ndarray, ctx: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Rows (at least 2) whose tables start with the same full blocks (at least
-        ``cascade_min_blocks``), with the length of that common start."""
+        ``min_shared_blocks``), with the length of that common start."""
         bs = self.block_size
         full = (ctx - 1) // bs  # blocks entirely before each row's newest token
         first = bt[:, 0]
@@ -218,12 +221,12 @@ class ModelRunner:
             if len(rows) < 2:
                 continue
             limit = int(full[rows].min())
-            if limit < self.cascade_min_blocks:
+            if limit < self.min_shared_blocks:
                 continue
             sub = bt[rows, :limit]
             same = (sub == sub[0]).all(axis=0)
             n = limit if same.all() else int(np.argmin(same))
-            if n >= self.cascade_min_blocks:
+            if n >= self.min_shared_blocks:
                 out.append((rows, n))
         return out
 
@@ -232,7 +235,7 @@ class ModelRunner:
         all the group's rows), batched by similar size so that padding wastes little."""
         bs = self.block_size
         nblocks = -(-ctx // bs)
-        shared = self._shared_prefixes(bt, ctx) if self.cascade else []
+        shared = self._shared_prefixes(bt, ctx) if self.group_shared_prefixes else []
         alone = np.ones(len(ctx), dtype=bool)
         for rows, _ in shared:
             alone[rows] = False

@@ -98,6 +98,6 @@ def test_garbage_in_unwritten_kv_slots_never_leaks(model_dirs, arch):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == expected(path, i), f"prompt {i}"
-    # n > 1 exercises shared-prefix (cascade) attention over forked blocks
+    # n > 1 exercises grouped attention over forked (shared) blocks
     out = llm.generate([PROMPTS[4]], SamplingParams(n=3, top_k=1, max_tokens=MAX_NEW, ignore_eos=True))[0]
     assert all(c.token_ids == expected(path, 4) for c in out.outputs)

@@ -64,3 +64,12 @@ def test_unknown_engine_setting(llama_dir):
         LLM(llama_dir, blok_size=16)
     with pytest.raises(ValueError, match="block_size must be one of"):
         LLM(llama_dir, block_size=12)
+
+
+def test_a_request_that_can_never_fit_raises_instead_of_spinning(llama_dir, monkeypatch):
+    """Validation keeps such requests out; if one gets in anyway, the engine names it rather than
+    looping forever on empty steps."""
+    llm = LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8)
+    monkeypatch.setattr(llm.engine, "validate", lambda ids, params: None)
+    with pytest.raises(RuntimeError, match="request 0 cannot be scheduled"):
+        llm.generate([[5] * 60], SamplingParams(max_tokens=2))
