@@ -14,6 +14,8 @@ class EngineConfig:
     from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (CUDA).
     ``max_model_len`` defaults to the model's ``max_position_embeddings``.
     ``max_num_batched_tokens`` is the token budget of one step; longer prompts are prefilled in chunks.
+    ``linear_backend``: "auto" packs CPU weights for oneDNN's GEMM (``batchgen/model/linear.py``),
+    "torch" keeps ``F.linear``; "onednn" is "auto" that fails loudly when packing is impossible.
     """
 
     model: str
@@ -29,6 +31,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 4.0
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     num_threads: int | None = None
     debug_checks: bool = False
 
@@ -59,6 +62,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_gb", "> 0")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise bad("attention_backend", "one of auto, torch, triton")
+        if self.linear_backend not in ("auto", "onednn", "torch"):
+            raise bad("linear_backend", "one of auto, onednn, torch")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,14 @@ def useful_tokens(w: Workload) -> int:
     return sum(m * per for m in w.max_tokens)
 
 
-def run_batchgen(model_dir: str, w: Workload, threads: int) -> dict:
+def in_fresh_process(fn, *args):
+    """Run ``fn(*args)`` in a new interpreter: neither side inherits the other's allocator state,
+    threads or caches (the engine tunes glibc's allocator for its own process)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | None = None) -> dict:
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     torch.set_num_threads(threads)
@@ -115,6 +123,7 @@ def run_batchgen(model_dir: str, w: Workload, threads: int) -> dict:
         enable_prefix_caching=True,
         seed=0,
         num_threads=threads,
+        **(settings or {}),
     )
     if w.kind == "beam":
         params = [
@@ -197,7 +206,18 @@ def main() -> None:
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--json", default="bench.json")
+    ap.add_argument(
+        "--engine-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra LLM(...) setting for batchgen, e.g. linear_backend=torch (repeatable)",
+    )
     args = ap.parse_args()
+    settings = {}
+    for item in args.engine_setting:
+        key, _, value = item.partition("=")
+        settings[key] = int(value) if value.lstrip("-").isdigit() else value
     if not (Path(args.model) / "config.json").exists():
         from batchgen.tiny import make_bench_model
 
@@ -209,10 +229,14 @@ def main() -> None:
     rows = []
     for w in make_workloads(vocab, [x.upper() for x in args.workloads]):
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts", flush=True)
-        bg = run_batchgen(args.model, w, args.threads)
+        bg = in_fresh_process(run_batchgen, args.model, w, args.threads, settings)
         s = bg["stats"]
         print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
-        hf = None if args.skip_baseline else run_hf(args.model, w, args.baseline_batch_sizes, args.threads)
+        hf = (
+            None
+            if args.skip_baseline
+            else in_fresh_process(run_hf, args.model, w, args.baseline_batch_sizes, args.threads)
+        )
         rows.append(
             {
                 "workload": w.name,
@@ -243,7 +267,13 @@ def main() -> None:
             print(
                 f"{r['workload']}: {r['batchgen']['tokens_per_s'] / f:.0%} of the matmul floor (~{f} tok/s)"
             )
-    meta = {"machine": platform.platform(), "threads": args.threads, "torch": torch.__version__}
+    meta = {
+        "machine": platform.platform(),
+        "cpu": platform.processor(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "engine_settings": settings,
+    }
     Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
     print(f"wrote {args.json}")
 

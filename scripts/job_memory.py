@@ -52,7 +52,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--model", default=None, help="model dir (default: a tiny llama built here)")
+    ap.add_argument(
+        "--engine-setting", action="append", default=[], metavar="KEY=VALUE", help="extra engine setting"
+    )
     args = ap.parse_args()
+    extra = dict(item.partition("=")[::2] for item in args.engine_setting)
     tmp = Path(tempfile.mkdtemp(prefix="batchgen-mem-"))
     model = args.model
     if model is None:
@@ -70,6 +74,7 @@ def main() -> None:
                 "max_num_seqs": 256,
                 "max_num_batched_tokens": 4096,
                 "num_kv_blocks": 2048,
+                **extra,
             },
             "input": {"path": str(data), "prompt_column": "prompt", "id_column": "id"},
             "generation": {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True},

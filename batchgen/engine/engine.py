@@ -387,14 +387,23 @@ class LLMEngine:
             st["max_len_reserved_at_peak"] = len(live) * self.max_model_len
         if physical > st["peak_physical_kv_slots"]:
             st["peak_physical_kv_slots"] = physical
+            # Blocks before a sequence's last written one are full; only each sequence's tail
+            # (the block of its next token and any after it) can have unused slots. A tail block
+            # also held by a sequence that has filled it (more holders than tail holders) is full.
+            bs = self.block_size
             fill: dict[int, int] = {}
+            tail_holders: dict[int, int] = {}
             for s in live:
                 table = self.bm.table(s.seq_id)
-                for i, b in enumerate(table):
-                    fill[b] = max(
-                        fill.get(b, 0), min(self.block_size, s.num_computed_tokens - i * self.block_size)
-                    )
-            st["unused_slots_in_held_blocks_at_peak"] = physical - sum(max(f, 0) for f in fill.values())
+                c = s.num_computed_tokens
+                for i in range(c // bs, len(table)):
+                    b = table[i]
+                    fill[b] = max(fill.get(b, 0), c - i * bs)
+                    tail_holders[b] = tail_holders.get(b, 0) + 1
+            blocks = self.bm.pool.blocks
+            st["unused_slots_in_held_blocks_at_peak"] = sum(
+                bs - max(f, 0) for b, f in fill.items() if blocks[b].ref_count == tail_holders[b]
+            )
             # blocks the same sequences would hold without sharing (each its own copy of everything)
             st["unshared_blocks_at_peak"] = sum(-(-s.num_computed_tokens // self.block_size) for s in live)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen.params import SamplingParams
@@ -78,50 +79,79 @@ def _penalize(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> No
             row.sub_(p.presence_penalty * (counts > 0).float())
 
 
-def _draw(probs: torch.Tensor, u: torch.Tensor, block: int = 128) -> torch.Tensor:
+def uniforms(seeds: list[int], counters: list[int]) -> torch.Tensor:
+    """``uniform(seed, counter)`` for many pairs at once (float64), in numpy's wrapping uint64."""
+    with np.errstate(over="ignore"):
+        x = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
+        c = np.array(counters, dtype=np.uint64)
+        x = _splitmix64_np(_splitmix64_np(x) ^ c)
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) / float(1 << 53))
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_BLOCK = 128
+
+
+def _block_sums(probs: torch.Tensor) -> torch.Tensor:
+    """Sums of consecutive ``_BLOCK``-wide slices of each row of ``probs`` [rows, vocab] (float64)."""
+    rows, vocab = probs.shape
+    full = vocab // _BLOCK * _BLOCK
+    sums = probs[:, :full].reshape(rows, -1, _BLOCK).sum(dim=-1)
+    if full < vocab:
+        sums = torch.cat((sums, probs[:, full:].sum(dim=-1, keepdim=True)), dim=1)
+    return sums.double()
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse-CDF draw of one index per row of unnormalized ``probs`` [rows, vocab], without a
     full-vocabulary cumulative sum: block sums locate the block, a short cumsum the index."""
     rows, vocab = probs.shape
-    pad = (-vocab) % block
-    p = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
-    blocks = p.view(rows, -1, block)
-    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    block_cdf = (_block_sums(probs) if block_sums is None else block_sums).cumsum(dim=-1)
     target = u * block_cdf[:, -1]
     b = torch.searchsorted(block_cdf, target[:, None]).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
-    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, block)).squeeze(1).double().cumsum(dim=-1)
-    j = torch.searchsorted(inner, (target[:, None] - before)).clamp_(max=block - 1)
-    # never land on a zero-probability slot at the right edge of a block
-    idx = (b * block + j).squeeze(1)
+    # the chosen block of each row (the last one may be short: pad it with zeros)
+    cols = (b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :]).clamp_(max=vocab - 1)
+    inner = probs.gather(1, cols)
+    inner = inner.masked_fill_(b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :] >= vocab, 0.0)
+    j = torch.searchsorted(inner.double().cumsum(dim=-1), (target[:, None] - before)).clamp_(max=_BLOCK - 1)
+    idx = (b * _BLOCK + j).squeeze(1)
     return idx.clamp_(max=vocab - 1)
 
 
 def _sample_top_p_by_rejection(
-    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4, normalize: bool = True
+    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw from the full distribution and accept a token iff it lies in the nucleus (the mass of
-    strictly more likely tokens is below ``top_p``): accepted draws follow the renormalized nucleus
-    exactly. Rows still rejected after ``rounds`` tries are reported for the sort path."""
+    """Draw from the full distribution (unnormalized ``probs``) and accept a token iff it lies in
+    the nucleus (the mass of strictly more likely tokens is below ``top_p``): accepted draws follow
+    the renormalized nucleus exactly. Rows still rejected after ``rounds`` tries are reported for
+    the sort path."""
     n = probs.shape[0]
     dev = probs.device
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     pending = torch.arange(n, device=dev)
-    total = probs.sum(dim=-1) if normalize else torch.ones(n, device=dev, dtype=probs.dtype)
+    sums = _block_sums(probs)
+    total = sums.sum(dim=-1)
     for attempt in range(rounds):
         if pending.numel() == 0:
             break
-        sub = probs if attempt == 0 else probs[pending]
-        u = torch.tensor(
-            [uniform(rows[i].seed, rows[i].step * 8 + attempt) for i in pending.tolist()],
-            device=dev,
-            dtype=torch.float64,
-        )
-        tok = _draw(sub, u)
+        first = attempt == 0
+        sub = probs if first else probs[pending]
+        p_rows = pending.tolist()
+        u = uniforms([rows[i].seed for i in p_rows], [rows[i].step * 8 + attempt for i in p_rows]).to(dev)
+        tok = _draw(sub, u, sums if first else sums[pending])
         p_tok = sub.gather(1, tok[:, None])
-        # mass of strictly more likely tokens: sum(relu(p - p_tok)) + p_tok * count(p > p_tok)
-        diff = (sub - p_tok).relu_()
-        above = diff.sum(dim=-1) + p_tok.squeeze(1) * (diff > 0).sum(dim=-1)
-        ok = above < top_p[pending] * total[pending]
+        # mass of strictly more likely tokens: sum(relu(p - p_tok)) + p_tok * count(p > p_tok),
+        # the count as the sum of the signs (comparisons into bool tensors are several times slower)
+        excess = (sub - p_tok).relu_()
+        above = excess.sum(dim=-1).double() + p_tok.squeeze(1).double() * excess.sign_().sum(dim=-1).double()
+        ok = above < top_p[pending].double() * total[pending]
         tokens[pending[ok]] = tok[ok]
         pending = pending[~ok]
     return tokens, pending
@@ -145,9 +175,7 @@ def _sample_sorted(
     probs = torch.softmax(sub, dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
     probs = probs.masked_fill((before >= top_p[idx][:, None]) & (ranks > 0), 0.0)
-    u = torch.tensor(
-        [uniform(rows[i].seed, rows[i].step * 8 + 7) for i in idx], device=dev, dtype=torch.float64
-    )
+    u = uniforms([rows[i].seed for i in idx], [rows[i].step * 8 + 7 for i in idx]).to(dev)
     pick = _draw(probs, u)
     return order.gather(1, pick[:, None]).squeeze(1)
 
@@ -173,15 +201,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         _penalize(x, rows, pen)
 
     greedy_rows = [r.params.temperature == 0 for r in rows]
+    temps = [r.params.temperature or 1.0 for r in rows]
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(n, dtype=torch.long, device=dev)
+    # Fused softmax kernels: several times faster than exp / sum passes of our own on the CPU.
+    probs = raw_probs = None
     if not all(greedy_rows):
-        greedy = torch.tensor(greedy_rows, device=dev)
-        temp = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev, dtype=x.dtype)
-        probs = torch.softmax(x / temp[:, None], dim=-1)
+        if x is logits and all(t == 1.0 for t in temps):
+            probs = raw_probs = torch.softmax(logits, dim=-1)
+        else:
+            scaled = (
+                x
+                if all(t == 1.0 for t in temps)
+                else x * torch.tensor([1.0 / t for t in temps], device=dev, dtype=x.dtype)[:, None]
+            )
+            probs = torch.softmax(scaled, dim=-1)
+    if raw_probs is None:
+        raw_probs = torch.softmax(logits, dim=-1)
+    if probs is not None:
         min_p = [r.params.min_p for r in rows]
         if any(min_p):
             mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
         top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
         top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
         plain = [
@@ -195,34 +235,34 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         with_k = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k > 0]
         sampled = tokens.clone()
         if plain:
-            u = torch.tensor(
-                [uniform(rows[i].seed, rows[i].step * 8) for i in plain], device=dev, dtype=torch.float64
-            )
-            sampled[plain] = _draw(probs[plain], u)
+            u = uniforms([rows[i].seed for i in plain], [rows[i].step * 8 for i in plain]).to(dev)
+            sampled[plain] = _draw(probs if len(plain) == n else probs[plain], u)
         if nucleus:
             everyone = len(nucleus) == n
             tok, left = _sample_top_p_by_rejection(
                 probs if everyone else probs[nucleus],
                 [rows[i] for i in nucleus],
                 top_p if everyone else top_p[nucleus],
-                normalize=any(min_p),
             )
             sampled[nucleus] = tok
             with_k += [nucleus[i] for i in left.tolist()]
         if with_k:
             sampled[with_k] = _sample_sorted(probs, rows, with_k, top_k, top_p)
-        tokens = torch.where(greedy, tokens, sampled)
+        tokens = torch.where(torch.tensor(greedy_rows, device=dev), tokens, sampled)
 
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if want:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    else:
-        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    # log of the raw probability (softmax is cheaper than log_softmax); a probability that
+    # (nearly) underflowed is recomputed exactly for its row
+    chosen = raw_probs.gather(1, tokens[:, None]).squeeze(1).log()
+    tiny = torch.nonzero(chosen < -80.0).flatten().tolist()  # 0 or a subnormal float32
+    if tiny:
+        exact = torch.log_softmax(logits[tiny], dim=-1).gather(1, tokens[tiny][:, None]).squeeze(1)
+        chosen[tiny] = exact
     top: list[dict[int, float] | None] = [None] * n
     if want:
         k = max(rows[i].params.logprobs for i in want)  # type: ignore[type-var]
-        vals, ids = raw_logprobs[want].topk(k, dim=-1) if k > 0 else (None, None)
+        if k > 0:
+            vals, ids = torch.log_softmax(logits[want], dim=-1).topk(k, dim=-1)
         for j, i in enumerate(want):
             d: dict[int, float] = {}
             kk = rows[i].params.logprobs or 0

@@ -1,7 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) as plain tensors,
 running over a flattened batch of tokens (no padding) with a paged KV cache.
 
-q/k/v and gate/up projections are fused into one matrix each at load time (fewer, larger GEMMs).
+q/k/v and gate/up projections are fused into one matrix each at load time (fewer, larger GEMMs),
+and on the CPU every projection is packed for oneDNN's GEMM (``batchgen/model/linear.py``).
 """
 
 from __future__ import annotations
@@ -13,26 +14,32 @@ import torch.nn.functional as F
 
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
 from batchgen.model.layers import Rotary, apply_rotary, rms_norm
+from batchgen.model.linear import Linear, packing_wanted
 from batchgen.model.loader import ModelLoadError, iter_weights
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
     sliding_window: int | None
 
 
 class LlamaModel:
     def __init__(
-        self, config, model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int
+        self,
+        config,
+        model_dir: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        linear_backend: str = "auto",
     ) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
@@ -48,7 +55,12 @@ class LlamaModel:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
+        self._pack = packing_wanted(linear_backend, device, dtype)
+        self._strict = linear_backend == "onednn"
         self._load(model_dir)
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, pack=self._pack, strict=self._strict)
 
     # -- loading -------------------------------------------------------------------------------
     def _windows(self) -> list[int | None]:
@@ -87,16 +99,17 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=torch.cat([q, k, v]).contiguous(),
-                    qkv_bias=bias,
-                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    qkv=self._linear(torch.cat([q, k, v]).contiguous(), bias),
+                    o_proj=self._linear(take(p + "self_attn.o_proj.weight")),
                     q_norm=take(p + "self_attn.q_norm.weight", optional=True),
                     k_norm=take(p + "self_attn.k_norm.weight", optional=True),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=self._linear(
+                        torch.cat(
+                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                        ).contiguous()
+                    ),
+                    down=self._linear(take(p + "mlp.down_proj.weight")),
                     sliding_window=windows[i],
                 )
             )
@@ -105,9 +118,9 @@ class LlamaModel:
         if lm_head is None:
             if not getattr(self.config, "tie_word_embeddings", False):
                 raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor 'lm_head.weight'")
-            self.lm_head = self.embed
+            self.lm_head = self._linear(self.embed)
         else:
-            self.lm_head = lm_head.to(device=self.device, dtype=self.dtype).contiguous()
+            self.lm_head = self._linear(lm_head.to(device=self.device, dtype=self.dtype).contiguous())
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,7 +140,7 @@ class LlamaModel:
         for i, lw in enumerate(self.layers):
             residual = x
             y = rms_norm(x, lw.input_norm, self.eps)
-            qkv = F.linear(y, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(y)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if lw.q_norm is not None:
                 q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
@@ -137,13 +150,13 @@ class LlamaModel:
                 qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
                 q, k = qk[:, :h], qk[:, h:]
             o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, lw.sliding_window)
-            x = residual + F.linear(o.reshape(t, h * d), lw.o_proj)
+            x = residual + lw.o_proj(o.reshape(t, h * d))
             residual = x
             y = rms_norm(x, lw.post_norm, self.eps)
-            gate, up = F.linear(y, lw.gate_up).chunk(2, dim=-1)
-            x = residual + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lw.gate_up(y).chunk(2, dim=-1)
+            x = residual + lw.down(F.silu(gate) * up)
         return rms_norm(x, self.norm, self.eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

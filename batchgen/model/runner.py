@@ -25,6 +25,7 @@ from batchgen.model.attention import (
     make_backend,
 )
 from batchgen.model.llama import LlamaModel
+from batchgen.model.malloc import keep_freed_memory
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,7 +63,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.model = LlamaModel(hf_config, cfg.model, self.device, self.dtype, max_model_len)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.model = LlamaModel(
+            hf_config, cfg.model, self.device, self.dtype, max_model_len, linear_backend=cfg.linear_backend
+        )
         self.backend = make_backend(cfg.attention_backend, self.device)
         self.times = RunnerTimes()
         # The Triton backend reads the batch per token; the torch backend per decode group / prefill.

@@ -1,6 +1,6 @@
 """Greedy tokens equal a transformers forward-pass greedy decode, for every architecture, with
 prefix caching on and off, a KV pool small enough to preempt, a tiny token budget (chunked
-prefill) and block sizes 8 / 16 / 32."""
+prefill), block sizes 8 / 16 / 32, and both linear backends."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ VARIANTS = {
     "tiny-budget": dict(max_num_batched_tokens=8),
     "block8": dict(block_size=8),
     "block32": dict(block_size=32, max_num_batched_tokens=24),
+    "linear-torch": dict(linear_backend="torch"),  # F.linear instead of oneDNN's packed GEMM
 }
 
 _expected: dict[tuple[str, int], list[int]] = {}

@@ -207,3 +207,25 @@ def test_logprobs_are_the_raw_model_distribution(llm, llama_dir):
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
             assert abs(entry[t] - v) < 1e-4
     assert abs(sum(out.logprobs[i][t] for i, t in enumerate(out.token_ids)) - out.cumulative_logprob) < 1e-4
+
+
+def test_unused_slot_statistic_equals_a_count_over_every_held_block(llama_dir):
+    """``unused_slots_in_held_blocks_at_peak`` is computed from each sequence's tail blocks only;
+    it must equal the count over every slot of every held block (n=3 siblings share blocks, one
+    request hits another's cached prefix)."""
+    llm = LLM(llama_dir, dtype="float32", device="cpu", block_size=8)
+    eng = llm.engine
+    prefix = [random.Random(5).randrange(3, 384) for _ in range(19)]
+    eng.add_request("a", prefix, SamplingParams(n=3, max_tokens=30, ignore_eos=True, seed=1))
+    eng.add_request("b", prefix[:16] + [4, 5], SamplingParams(max_tokens=30, ignore_eos=True, seed=2))
+    for step in range(12):
+        eng.step()
+        live = [s for g in eng.scheduler.running for s in g.seqs if s.status.name != "FINISHED"]
+        fill: dict[int, int] = {}
+        for s in live:
+            for i, b in enumerate(eng.bm.table(s.seq_id)):
+                fill[b] = max(fill.get(b, 0), min(8, s.num_computed_tokens - i * 8))
+        brute = eng.bm.num_used_blocks * 8 - sum(max(f, 0) for f in fill.values())
+        eng._stats["peak_physical_kv_slots"] = 0  # force the statistic to be taken now
+        eng._note_kv_usage()
+        assert eng._stats["unused_slots_in_held_blocks_at_peak"] == brute, step

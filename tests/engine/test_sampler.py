@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.sampler import SampleRow, sample
+from batchgen.engine.sampler import SampleRow, sample, uniform, uniforms
 from batchgen.params import SamplingParams
 
 
@@ -53,3 +53,21 @@ def test_a_row_depends_only_on_its_seed_and_step():
     assert full == alone
     moved = [SampleRow(p, 100 + i, 4, [], 0, []) for i in range(8)]
     assert sample(logits, moved).tokens != full
+
+
+def test_vectorized_uniforms_equal_the_scalar_hash():
+    seeds = [0, 1, 12345, 2**63 + 7, 2**64 - 1]
+    steps = [0, 1, 8, 8 * 63 + 3, 10**6]
+    assert uniforms(seeds, steps).tolist() == [uniform(s, c) for s, c in zip(seeds, steps)]
+
+
+def test_logprob_of_a_token_whose_probability_underflows():
+    """A high temperature samples tokens whose raw probability is below float32's range; their
+    reported log-probability is still the exact raw one, never -inf."""
+    logits = torch.tensor([0.0, -200.0, -150.0, -120.0])
+    rows = [SampleRow(SamplingParams(temperature=1000.0), seed, 0, [], 0, []) for seed in range(64)]
+    result = sample(logits.expand(64, -1).contiguous(), rows)
+    exact = torch.log_softmax(logits.double(), -1)
+    assert set(result.tokens) > {0}, "the test needs draws of the unlikely tokens"
+    for tok, lp in zip(result.tokens, result.logprobs):
+        assert abs(lp - float(exact[tok])) < 1e-3
