@@ -260,24 +260,38 @@ class ModelRunner:
             g_count = len(members)
             r_max = max(len(groups[i][0]) for i in members)
             u_max = max(sizes[i] for i in members)
+            # every row of the bucket at once: its group, place in the group, shared block count,
+            # own block count and the column where its own blocks start in the group's table
+            rows = np.concatenate([groups[i][0] for i in members])
+            sizes_g = np.array([len(groups[i][0]) for i in members])
+            g_of = np.repeat(np.arange(g_count), sizes_g)
+            first = np.cumsum(sizes_g) - sizes_g
+            r_of = np.arange(len(rows)) - first[g_of]
+            n_of = np.repeat(np.array([groups[i][1] for i in members]), sizes_g)
+            own = nblocks[rows] - n_of
+            own_before = np.cumsum(own) - own  # own blocks of earlier rows, across groups
+            col = n_of + own_before - own_before[first][g_of]
             tables = np.zeros((g_count, u_max), dtype=np.int64)
+            for gi, i in enumerate(members):  # the shared blocks, once per group
+                lead, n = groups[i]
+                tables[gi, :n] = bt[lead[0], :n]
+            k = np.arange(int(own.sum())) - np.repeat(own_before, own)  # index among a row's own blocks
+            tables[np.repeat(g_of, own), np.repeat(col, own) + k] = bt[
+                np.repeat(rows, own), np.repeat(n_of, own) + k
+            ]
+            pos = np.arange(u_max * bs)[None, :]
+            start = (col * bs)[:, None]
+            row_mask = (pos < (n_of * bs)[:, None]) | (
+                (pos >= start) & (pos < start + (ctx[rows] - n_of * bs)[:, None])
+            )
             mask = np.zeros((g_count, r_max, u_max * bs), dtype=bool)
+            mask[g_of, r_of] = row_mask
             row_index = np.zeros((g_count, r_max), dtype=np.int64)
             valid = np.zeros((g_count, r_max), dtype=bool)
             lens = np.zeros((g_count, r_max), dtype=np.int64)
-            for gi, i in enumerate(members):
-                rows, n = groups[i]
-                tables[gi, :n] = bt[rows[0], :n]
-                col = n
-                for ri, r in enumerate(rows):
-                    own = nblocks[r] - n
-                    tables[gi, col : col + own] = bt[r, n : nblocks[r]]
-                    mask[gi, ri, : n * bs] = True
-                    mask[gi, ri, col * bs : col * bs + ctx[r] - n * bs] = True
-                    col += own
-                row_index[gi, : len(rows)] = rows
-                valid[gi, : len(rows)] = True
-                lens[gi, : len(rows)] = ctx[rows]
+            row_index[g_of, r_of] = rows
+            valid[g_of, r_of] = True
+            lens[g_of, r_of] = ctx[rows]
             dev = self.device
             out.append(
                 DecodeGroups(*(torch.from_numpy(a).to(dev) for a in (row_index, valid, tables, mask, lens)))
