@@ -16,6 +16,10 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the token budget of one step; longer prompts are prefilled in chunks.
     ``linear_backend``: "auto" packs CPU weights for oneDNN's GEMM (``batchgen/model/linear.py``),
     "torch" keeps ``F.linear``; "onednn" is "auto" that fails loudly when packing is impossible.
+    ``preemption_mode``: "recompute" frees a preempted group's blocks and computes them again later;
+    "swap" moves them to a host pool of ``swap_space_gb`` (pinned memory on CUDA) and back, falling
+    back to recompute when that pool is full; "auto" swaps on CUDA and recomputes on the CPU (where
+    the "host" is the same memory).
     """
 
     model: str
@@ -32,6 +36,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    preemption_mode: str = "auto"
+    swap_space_gb: float = 4.0
     num_threads: int | None = None
     debug_checks: bool = False
 
@@ -64,6 +70,10 @@ class EngineConfig:
             raise bad("attention_backend", "one of auto, torch, triton")
         if self.linear_backend not in ("auto", "onednn", "torch"):
             raise bad("linear_backend", "one of auto, onednn, torch")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise bad("preemption_mode", "one of auto, recompute, swap")
+        if not self.swap_space_gb > 0:
+            raise bad("swap_space_gb", "> 0")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

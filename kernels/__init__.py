@@ -4,7 +4,7 @@
   the paged KV cache, with grouped-query attention and an optional split-KV (flash-decoding) pass;
 - ``write_kv``: store each token's K/V in its slot (slots < 0 are padding and skipped);
 - ``copy_blocks``: all copy-on-write pairs of a step, over every layer, in one launch;
-- ``swap_blocks``: move blocks between device and (pinned) host caches.
+- ``swap_blocks`` (``kernels.swap``, plain torch): move blocks between device and (pinned) host caches.
 
 The caches are head-major: ``[kv_heads, num_blocks, block_size, head_dim]`` per layer and K/V.
 Importing this package does not import triton; the kernel modules do. On a CPU machine the kernels

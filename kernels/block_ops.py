@@ -1,11 +1,13 @@
-"""Block copy (copy-on-write: every pair of a step over every layer in one launch) and block swap
-between device and host caches."""
+"""Block copy for copy-on-write: every pair of a step over every layer in one launch. (The swap
+between device and host caches is ``kernels.swap.swap_blocks``, plain torch.)"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.swap import swap_blocks  # noqa: F401 - re-exported
 
 
 @triton.jit
@@ -43,17 +45,3 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
         N=bs * d,
         CHUNK=min(1024, triton.next_power_of_2(bs * d)),
     )
-
-
-def swap_blocks(
-    src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-) -> None:
-    """Copy blocks ``src`` of one cache into blocks ``dst`` of another (device <-> pinned host), all
-    layers at once; the host side of the copy is asynchronous when the host cache is pinned."""
-    if src_cache.shape[:-3] != dst_cache.shape[:-3] or src_cache.shape[-2:] != dst_cache.shape[-2:]:
-        raise ValueError(f"swap_blocks: caches {tuple(src_cache.shape)} and {tuple(dst_cache.shape)} differ")
-    if src.numel() == 0:
-        return
-    moved = src_cache.index_select(-3, src.to(src_cache.device))
-    moved = moved.to(dst_cache.device, non_blocking=True)
-    dst_cache.index_copy_(-3, dst.to(dst_cache.device), moved)

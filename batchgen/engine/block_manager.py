@@ -17,6 +17,10 @@ How it works::
   block and records ``CopyPair(src, dst)``; the runner copies all pairs of a step in one op.
 * Freed blocks go to the free queue: unhashed ones at the head (reused first), hashed ones at the
   tail, so cached prefixes are evicted least-recently-freed first and stay findable until reused.
+* Swap preemption moves a group's tables to host blocks (``swap_out``: each distinct device block
+  once, so blocks shared inside the group stay shared on the host) and back (``swap_in``, into new
+  device blocks). Host blocks freed by a swap-in return to the host free list only at the next
+  ``begin_step``: the runner reads them during the step in which they were freed.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import NamedTuple
 
 
 class CopyPair(NamedTuple):
-    """Copy physical block ``src`` into ``dst`` before this step's forward pass (copy-on-write)."""
+    """Copy physical block ``src`` into ``dst`` before this step's forward pass (copy-on-write;
+    for swaps, between the device pool and the host pool)."""
 
     src: int
     dst: int
@@ -180,10 +185,16 @@ class BlockManager:
     (``allocate_prefix``, ``append_slots``). Sequences are identified by integer ids.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.seqs: dict[int, _SeqBlocks] = {}
+        # host pool for swap preemption: free ids (a stack), reference counts, swapped tables
+        self.num_host_blocks = num_host_blocks
+        self.host_free = list(range(num_host_blocks - 1, -1, -1))
+        self.host_refs = [0] * num_host_blocks
+        self.host_pending_free: list[int] = []
+        self.swapped: dict[int, list[int]] = {}
         self.num_cow_copies = 0
         self.prefix_hit_tokens = 0
         # Blocks handed out since the last ``take_fresh_blocks``: the runner zeroes them, so that a
@@ -298,11 +309,72 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Drop every reference of ``seq_id`` (tail first, so a prefix outlives its suffix in the LRU)."""
+        host = self.swapped.pop(seq_id, None)
+        if host is not None:
+            self._release_host(host, self.host_free)
         entry = self.seqs.pop(seq_id, None)
         if entry is None:
             return
         for bid in reversed(entry.table):
             self.pool.release(self.pool.blocks[bid])
+
+    # -- swap preemption -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Host blocks freed by the previous step's swap-ins may be reused from now on."""
+        self.host_free.extend(self.host_pending_free)
+        self.host_pending_free.clear()
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.host_free)
+
+    def device_blocks_of(self, seq_ids: Sequence[int]) -> list[int]:
+        """Distinct device blocks in the tables of ``seq_ids``, in first-use order."""
+        return list(dict.fromkeys(b for sid in seq_ids for b in self.table(sid)))
+
+    def host_blocks_of(self, seq_ids: Sequence[int]) -> list[int]:
+        return list(dict.fromkeys(b for sid in seq_ids for b in self.swapped.get(sid, [])))
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[CopyPair] | None:
+        """Move the tables of ``seq_ids`` to host blocks and free their device blocks; returns the
+        (device, host) copies, or None (changing nothing) when the host pool is too small."""
+        blocks = self.device_blocks_of(seq_ids)
+        if len(blocks) > len(self.host_free):
+            return None
+        to_host = {b: self.host_free.pop() for b in blocks}
+        for sid in seq_ids:
+            table = [to_host[b] for b in self.table(sid)]
+            for h in table:
+                self.host_refs[h] += 1
+            self.free(sid)
+            self.swapped[sid] = table
+        return [CopyPair(b, h) for b, h in to_host.items()]
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[CopyPair] | None:
+        """Give ``seq_ids`` new device blocks for their host blocks; returns the (host, device)
+        copies, or None (changing nothing) when the device pool is too small. The tables come
+        back unhashed: ``cache_full_blocks`` registers their full blocks again."""
+        blocks = self.host_blocks_of(seq_ids)
+        if len(blocks) > self.pool.num_free:
+            return None
+        to_device = {h: self.pool.allocate() for h in blocks}  # each with one reference
+        taken: set[int] = set()
+        for sid in seq_ids:
+            host = self.swapped.pop(sid, [])
+            for h in host:
+                if h in taken:  # shared inside the group: one more reference
+                    self.pool.acquire(to_device[h])
+                taken.add(h)
+            self.seqs[sid] = _SeqBlocks([to_device[h].block_id for h in host], [])
+            self._release_host(host, self.host_pending_free)
+        self._note_usage()
+        return [CopyPair(h, d.block_id) for h, d in to_device.items()]
+
+    def _release_host(self, host: list[int], into: list[int]) -> None:
+        for h in host:
+            self.host_refs[h] -= 1
+            if self.host_refs[h] == 0:
+                into.append(h)
 
     def cache_full_blocks(
         self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: object = None
@@ -343,4 +415,14 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in free_ids), block
         for h, block in self.pool.cached.items():
             assert block.block_hash == h
+        host_refs = [0] * self.num_host_blocks
+        for table in self.swapped.values():
+            for h in table:
+                host_refs[h] += 1
+        assert host_refs == self.host_refs, "host reference counts disagree with the swapped tables"
+        idle = self.host_free + self.host_pending_free
+        assert len(set(idle)) == len(idle), "a host block is free twice"
+        assert all(host_refs[h] == 0 for h in idle), "a free host block is still referenced"
+        assert len(idle) + sum(r > 0 for r in host_refs) == self.num_host_blocks
+        assert not set(self.swapped) & set(self.seqs), "a sequence is both swapped and resident"
         assert sum(refs) == sum(len(e.table) for e in self.seqs.values())

@@ -58,8 +58,10 @@ class LLMEngine:
         self.vocab_size = self.runner.model.vocab_size
         self.eos_ids = _eos_ids(cfg.model, self.hf_config, self.tokenizer)
         self.block_size = cfg.block_size
-        self.bm = BlockManager(self.runner.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, self.runner.num_host_blocks)
+        self.scheduler = Scheduler(
+            self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.runner.preemption_mode
+        )
         self._rng = np.random.default_rng(cfg.seed)
         self._arrivals = itertools.count()
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
@@ -147,15 +149,16 @@ class LLMEngine:
             for seq in group.seqs:
                 self._pending.pop(seq.seq_id, None)
         if out.is_empty:
-            if not self.scheduler.running and self.scheduler.waiting:
-                group = self.scheduler.waiting[0]
+            if not self.scheduler.running and (self.scheduler.waiting or self.scheduler.swapped):
+                group = (self.scheduler.swapped or self.scheduler.waiting)[0]
                 raise RuntimeError(
                     f"request {group.request_id} cannot be scheduled: it needs more KV blocks than the pool's "
                     f"{self.bm.num_blocks} free ones; raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens / n"
                 )
+            self.runner.apply_block_ops(out.swaps, out.fresh_blocks, out.copies)
             return self._collect()
         t1 = time.perf_counter()
-        logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks)
+        logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks, out.swaps)
         t2 = time.perf_counter()
         self.scheduler.finish_step(out)
         self._note_kv_usage()
@@ -416,6 +419,8 @@ class LLMEngine:
             "cow_copies": self.bm.num_cow_copies,
             "prefix_cache_hit_tokens": self.bm.prefix_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "swapped_blocks": self.scheduler.num_swapped_blocks,
             "peak_logical_kv_tokens": int(st.get("peak_logical_kv_tokens", 0)),
             "peak_physical_kv_slots": int(st.get("peak_physical_kv_slots", 0)),
             "unused_slots_in_held_blocks_at_peak": int(st.get("unused_slots_in_held_blocks_at_peak", 0)),

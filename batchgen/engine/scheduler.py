@@ -2,15 +2,20 @@
 
 One step (``schedule``):
 
+0. Swapped groups (swap preemption), oldest first, come back while the pool (minus a small
+   watermark) holds their blocks plus one more per sequence, and join the running groups.
 1. Running groups, oldest first. Each live sequence with tokens to compute gets
    ``min(uncomputed, token budget)`` of them: 1 for a decoding sequence, a chunk for a prefill.
-   If the pool cannot hold them, the newest running group is preempted (recompute: its blocks
-   are freed, its tokens kept) until it can, or the group itself is the newest and is preempted.
-2. Waiting groups (preempted ones first, then new ones in arrival order) are admitted while the
-   token budget, ``max_num_seqs`` and the pool (minus a small watermark) allow. A sequence without
-   blocks starts from its longest cached prefix.
+   If the pool cannot hold them, the newest running group is preempted until it can, or the group
+   itself is the newest and is preempted. Recompute preemption frees its blocks and keeps its
+   tokens; swap preemption (``preemption_mode="swap"``) moves its blocks to the host pool and
+   keeps its computed state, falling back to recompute when the host pool is full.
+2. Waiting groups (preempted ones first, then new ones in arrival order) are admitted while no
+   group is swapped out and the token budget, ``max_num_seqs`` and the pool (minus the watermark)
+   allow. A sequence without blocks starts from its longest cached prefix.
 
-The result is a ``SchedulerOutput``: which sequences run how many tokens, and which blocks to copy.
+The result is a ``SchedulerOutput``: which sequences run how many tokens, which blocks to swap
+(in the order decided) and which to copy.
 A group is preempted and admitted as a whole; ``max_num_seqs`` counts a group at its final size.
 """
 
@@ -38,7 +43,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyPair] = field(default_factory=list)
     fresh_blocks: list[int] = field(default_factory=list)  # newly allocated blocks (zeroed by the runner)
-    preempted: list[SequenceGroup] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)  # by recompute
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    # (to_host, pairs) in the order decided: (device, host) pairs out, (host, device) pairs in
+    swaps: list[tuple[bool, list[CopyPair]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,21 +66,31 @@ class _Plan(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "recompute",
+    ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
         self.watermark = max(1, self.bm.num_blocks // 100)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_swapped_blocks = 0  # blocks moved in either direction
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def free_seq(self, seq: Sequence) -> None:
         """Mark ``seq`` finished and return its blocks."""
@@ -92,6 +110,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.bm.begin_step()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -101,9 +120,11 @@ class Scheduler:
                 continue
             budget -= scheduled
             i += 1
+        if not out.preempted and not out.swapped_out:
+            budget = self._swap_in(out, budget)
 
         computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             group = self.waiting[0]
             if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
                 break
@@ -195,17 +216,54 @@ class Scheduler:
             used += plan.num_new
         return used
 
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped groups back, oldest first, and schedule them in this step."""
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
+                break
+            ids = [s.seq_id for s in group.live_seqs]
+            resident = len(self.bm.host_blocks_of(ids))
+            reserve = self.watermark if self.running else 0
+            if resident + len(ids) + reserve > self.bm.num_free_blocks:
+                break
+            pairs = self.bm.swap_in(ids)
+            assert pairs is not None, "planned swap-in failed"
+            out.swaps.append((False, pairs))
+            self.num_swapped_blocks += len(pairs)
+            for seq in group.live_seqs:
+                seq.status = SeqStatus.RUNNING
+            self.swapped.popleft()
+            self.running.append(group)
+            plans, need = self._plan(group, budget)
+            if need > self.bm.num_free_blocks:  # a long prefill chunk: it continues next step
+                continue
+            budget -= self._apply(plans, out)
+        return budget
+
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Recompute preemption: free every block of the group, keep its tokens, requeue it first."""
+        """Swap preemption when chosen and the host pool has room, else recompute: free every
+        block of the group, keep its tokens, requeue it first."""
         self.running.remove(group)
         out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
+        self.num_preemptions += 1
+        if self.preemption_mode == "swap":
+            pairs = self.bm.swap_out([s.seq_id for s in group.live_seqs])
+            if pairs is not None:
+                out.swaps.append((True, pairs))
+                self.num_swap_outs += 1
+                self.num_swapped_blocks += len(pairs)
+                for seq in group.live_seqs:
+                    seq.status = SeqStatus.SWAPPED
+                self.swapped.appendleft(group)
+                out.swapped_out.append(group)
+                return
         for seq in group.live_seqs:
             self.bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
         self.waiting.appendleft(group)
         out.preempted.append(group)
-        self.num_preemptions += 1
 
     def finish_step(self, out: SchedulerOutput) -> None:
         """Advance the computed counters of what ran and make newly full blocks findable."""

@@ -20,6 +20,7 @@ from batchgen.params import BeamSearchParams, SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV moved to host blocks
     FINISHED = "finished"
 
 

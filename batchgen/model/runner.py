@@ -26,6 +26,7 @@ from batchgen.model.attention import (
 )
 from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
+from kernels.swap import swap_blocks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -86,6 +87,20 @@ class ModelRunner:
             device=self.device,
         )
         self.zero_blocks([0])  # padding entries of block tables point at block 0
+        mode = cfg.preemption_mode
+        self.preemption_mode = (
+            ("swap" if self.device.type == "cuda" else "recompute") if mode == "auto" else mode
+        )
+        self.num_host_blocks = 0
+        self.host_cache: torch.Tensor | None = None
+        if self.preemption_mode == "swap":
+            # the host pool for swap preemption: pinned on CUDA so transfers run asynchronously
+            self.num_host_blocks = max(1, int(cfg.swap_space_gb * 2**30 // self.bytes_per_block))
+            shape = list(self.kv_cache.shape)
+            shape[3] = self.num_host_blocks
+            self.host_cache = torch.empty(
+                shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+            )
 
     @property
     def bytes_per_block(self) -> int:
@@ -127,18 +142,43 @@ class ModelRunner:
         else:
             self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
 
+    def swap_blocks(self, to_host: bool, pairs: list[CopyPair]) -> None:
+        if self.host_cache is None:
+            raise RuntimeError("swap requested but the runner has no host pool (preemption_mode)")
+        src = torch.tensor([p.src for p in pairs])
+        dst = torch.tensor([p.dst for p in pairs])
+        if to_host:
+            swap_blocks(self.kv_cache, self.host_cache, src, dst)
+        else:
+            swap_blocks(self.host_cache, self.kv_cache, src, dst)
+
+    def apply_block_ops(
+        self,
+        swaps: list[tuple[bool, list[CopyPair]]] | None,
+        fresh_blocks: list[int] | None,
+        copies: list[CopyPair],
+    ) -> None:
+        """Before a forward pass: swaps in the order the scheduler decided them (a block freed by a
+        swap-out may be the target of a later swap-in), then zeroing of new blocks (a freed block may
+        have been handed out again), then copy-on-write copies (their source may have just been
+        swapped in)."""
+        for to_host, pairs in swaps or []:
+            self.swap_blocks(to_host, pairs)
+        self.zero_blocks(fresh_blocks or [])
+        self.copy_blocks(copies)
+
     def execute(
         self,
         scheduled: list[ScheduledSeq],
         copies: list[CopyPair],
         bm: BlockManager,
         fresh_blocks: list[int] | None = None,
+        swaps: list[tuple[bool, list[CopyPair]]] | None = None,
     ) -> torch.Tensor:
         """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order.
-        ``fresh_blocks`` are zeroed, then ``copies`` applied, before the forward pass."""
+        ``apply_block_ops`` runs first."""
         t0 = time.perf_counter()
-        self.zero_blocks(fresh_blocks or [])
-        self.copy_blocks(copies)
+        self.apply_block_ops(swaps, fresh_blocks, copies)
         t1 = time.perf_counter()
         decode = [s for s in scheduled if s.num_new_tokens == 1]
         prefill = [s for s in scheduled if s.num_new_tokens != 1]

@@ -114,7 +114,8 @@ def test_beam_min_tokens_and_mixed_batch_with_sampling(beam_model_dirs):
     assert [c.token_ids for c in outs[1].outputs] == [c.token_ids for c in alone.outputs]
 
 
-def test_beam_under_preemption(beam_model_dirs):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_under_preemption(beam_model_dirs, mode):
     path = beam_model_dirs["qwen3"]
     llm = LLM(
         path,
@@ -124,11 +125,15 @@ def test_beam_under_preemption(beam_model_dirs):
         block_size=8,
         num_kv_blocks=20,
         enable_prefix_caching=False,
+        preemption_mode=mode,
+        swap_space_gb=0.01,
     )
     prompts = [[_rng.randrange(3, 24) for _ in range(n)] for n in (9, 17, 23, 30)]
     params = BeamSearchParams(beam_width=4, max_tokens=12, early_stopping="never")
     outs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] > 0
+    if mode == "swap":  # the beams' shared blocks went to the host and came back shared
+        assert llm.stats()["num_swap_outs"] > 0
     for prompt, out in zip(prompts, outs):
         check(out, *hf_beam(path, prompt, 4, 4, 1.0, "never", max_new=12), f"preempted prompt {len(prompt)}")
     assert llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks

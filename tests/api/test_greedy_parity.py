@@ -1,6 +1,6 @@
 """Greedy tokens equal a transformers forward-pass greedy decode, for every architecture, with
 prefix caching on and off, a KV pool small enough to preempt, a tiny token budget (chunked
-prefill), block sizes 8 / 16 / 32, and both linear backends."""
+prefill), block sizes 8 / 16 / 32, both linear backends, and swap preemption."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ VARIANTS = {
     "block8": dict(block_size=8),
     "block32": dict(block_size=32, max_num_batched_tokens=24),
     "linear-torch": dict(linear_backend="torch"),  # F.linear instead of oneDNN's packed GEMM
+    "swap": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space_gb=0.01),
+    # a one-block host pool: most preemptions fall back to recompute
+    "swap-host-full": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space_gb=1e-9),
 }
 
 _expected: dict[tuple[str, int], list[int]] = {}
@@ -57,8 +60,13 @@ def test_greedy_matches_transformers(model_dirs, arch, variant):
     stats = llm.stats()
     if variant == "preempt":
         assert stats["num_preemptions"] > 0
+    if variant == "swap":
+        assert stats["num_swap_outs"] > 0 and stats["swapped_blocks"] > 0
+    if variant == "swap-host-full":
+        assert stats["num_preemptions"] > stats["num_swap_outs"]
     # Everything is free again once all requests are done.
     assert llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks
+    assert not llm.engine.bm.swapped and not llm.engine.scheduler.swapped
     llm.engine.bm.check_invariants()
 
 

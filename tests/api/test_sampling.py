@@ -52,6 +52,26 @@ def test_seeded_request_is_independent_of_the_batch(llm):
     outs = small.generate(others[:30] + [PROMPTS[1]] + others[30:], params[:30] + [target] + params[30:])
     assert small.stats()["num_preemptions"] > 0
     assert outs[30].outputs[0].token_ids == alone
+    # and with swap preemption: every request's tokens equal the recompute run's
+    swap = LLM(
+        llm.config.model,
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=24,
+        block_size=8,
+        preemption_mode="swap",
+        swap_space_gb=0.01,
+        debug_checks=True,
+    )
+    seeded = [
+        p if p.seed is not None else SamplingParams(temperature=1.0, max_tokens=p.max_tokens, n=p.n, seed=i)
+        for i, p in enumerate(params[:30] + [target] + params[30:])
+    ]
+    ref = small.generate(others[:30] + [PROMPTS[1]] + others[30:], seeded)
+    got = swap.generate(others[:30] + [PROMPTS[1]] + others[30:], seeded)
+    assert swap.stats()["num_swap_outs"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert swap.engine.bm.num_free_blocks == swap.engine.bm.num_blocks
 
 
 def test_unseeded_requests_differ_and_seeds_differ(llm):

@@ -66,6 +66,20 @@ def test_unknown_engine_setting(llama_dir):
         LLM(llama_dir, block_size=12)
 
 
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [
+        ("preemption_mode", "swapp", "one of auto, recompute, swap"),
+        ("swap_space_gb", 0, "> 0"),
+        ("linear_backend", "mkl", "one of auto, onednn, torch"),
+        ("block_size", 12, "one of 8, 16, 32, 64, 128"),
+    ],
+)
+def test_bad_engine_settings_name_the_setting(llama_dir, key, value, rule):
+    with pytest.raises(ValueError, match=f"engine setting {key} must be {rule}, got {value!r}"):
+        LLM(llama_dir, **{key: value})
+
+
 def test_a_request_that_can_never_fit_raises_instead_of_spinning(llama_dir, monkeypatch):
     """Validation keeps such requests out; if one gets in anyway, the engine names it rather than
     looping forever on empty steps."""

@@ -216,3 +216,121 @@ def test_blocks_needed_matches_what_append_takes(n):
     free = bm.num_free_blocks
     bm.append_slots(2, 6, n)
     assert free - bm.num_free_blocks == need
+
+
+def test_swap_keeps_sharing_and_host_blocks_wait_one_step():
+    bm = BlockManager(10, BS, num_host_blocks=6)
+    bm.append_slots(1, 0, 6)  # blocks 0, 1 (second one half full)
+    bm.fork(1, 2)
+    bm.append_slots(3, 0, 3)  # another sequence stays resident
+    out = bm.swap_out([1, 2])
+    assert out is not None and len(out) == 2  # the two shared blocks leave once each
+    assert bm.table(1) == [] and bm.num_free_blocks == 9
+    assert bm.num_free_host_blocks == 4
+    back = bm.swap_in([1, 2])
+    assert back is not None and len(back) == 2
+    assert bm.table(1) == bm.table(2)  # still shared on the device
+    assert {p.src for p in back} == {p.dst for p in out}  # from the host blocks written on the way out
+    # the host blocks may still be read in this step: free only from the next one
+    assert bm.num_free_host_blocks == 4
+    bm.begin_step()
+    assert bm.num_free_host_blocks == 6
+    # the shared half-full block is copied on the first write, exactly once
+    copies = bm.append_slots(2, 6, 1)
+    assert copies == [CopyPair(bm.table(1)[1], bm.table(2)[1])]
+    bm.check_invariants()
+
+
+def test_swap_out_needs_room_on_the_host_and_changes_nothing_without_it():
+    bm = BlockManager(10, BS, num_host_blocks=1)
+    bm.append_slots(1, 0, 6)
+    before = bm.table(1)
+    assert bm.swap_out([1]) is None
+    assert bm.table(1) == before and bm.num_free_host_blocks == 1
+    bm.check_invariants()
+
+
+swap_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "fork", "append", "append", "free", "swap_out", "swap_in", "step"]),
+        st.integers(0, 7),
+        st.integers(1, 9),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(swap_ops)
+def test_random_swaps_move_exactly_the_right_contents(operations):
+    """A simulated KV store follows every write, copy-on-write and swap the block manager asks for;
+    after each operation every resident sequence reads its own tokens back through its table."""
+    bm = BlockManager(12, BS, num_host_blocks=8)
+    device: dict[int, list] = {b: [None] * BS for b in range(12)}
+    host: dict[int, list] = {h: [None] * BS for h in range(8)}
+    seqs: dict[int, list[int]] = {}
+    swapped: set[int] = set()
+    families: list[list[int]] = []  # swapped out together, swapped in together
+    next_id = 1
+
+    def write(sid: int, n: int) -> None:
+        toks = seqs[sid]
+        start = len(toks)
+        copies = bm.append_slots(sid, start, n)
+        if copies is None:
+            return
+        for c in copies:
+            device[c.dst] = list(device[c.src])
+        table = bm.table(sid)
+        new = [next_id * 1000 + start + i for i in range(n)]
+        for i, tok in enumerate(new):
+            device[table[(start + i) // BS]][(start + i) % BS] = tok
+        toks.extend(new)
+
+    for op, pick, n in operations:
+        resident = sorted(set(seqs) - swapped)
+        if op == "step":
+            bm.begin_step()
+        elif op == "new" or not resident and op != "swap_in":
+            seqs[next_id] = []
+            write(next_id, n)
+            next_id += 1
+        elif op == "swap_in":
+            if families:
+                family = families[pick % len(families)]
+                pairs = bm.swap_in(family)
+                if pairs is not None:
+                    for p in pairs:
+                        device[p.dst] = list(host[p.src])
+                    swapped.difference_update(family)
+                    families.remove(family)
+        else:
+            sid = resident[pick % len(resident)]
+            if op == "fork":
+                bm.fork(sid, next_id)
+                seqs[next_id] = list(seqs[sid])
+                next_id += 1
+            elif op == "append":
+                write(sid, 1 + n % 3)
+            elif op == "free":
+                bm.free(sid)
+                del seqs[sid]
+            elif op == "swap_out":
+                family = [s for s in resident if set(bm.table(s)) & set(bm.table(sid))] or [sid]
+                pairs = bm.swap_out(family)
+                if pairs is not None:
+                    for p in pairs:
+                        host[p.dst] = list(device[p.src])
+                    swapped.update(family)
+                    families.append(family)
+        bm.check_invariants()
+        for sid in set(seqs) - swapped:
+            table = bm.table(sid)
+            got = [device[table[i // BS]][i % BS] for i in range(len(seqs[sid]))]
+            assert got == seqs[sid], f"sequence {sid} reads wrong KV"
+    for sid in list(seqs):
+        bm.free(sid)
+    bm.begin_step()
+    bm.check_invariants()
+    assert bm.num_free_blocks == 12 and bm.num_free_host_blocks == 8
