@@ -20,6 +20,8 @@ class EngineConfig:
     "swap" moves them to a host pool of ``swap_space_gb`` (pinned memory on CUDA) and back, falling
     back to recompute when that pool is full; "auto" swaps on CUDA and recomputes on the CPU (where
     the "host" is the same memory).
+    ``cuda_graphs``: on CUDA with the Triton backend, decode steps of up to 256 sequences replay
+    graphs captured at bucketed batch sizes (``batchgen/model/graphs.py``).
     """
 
     model: str
@@ -38,6 +40,7 @@ class EngineConfig:
     linear_backend: str = "auto"
     preemption_mode: str = "auto"
     swap_space_gb: float = 4.0
+    cuda_graphs: bool = True
     num_threads: int | None = None
     debug_checks: bool = False
 

@@ -5,7 +5,10 @@
    outputs poisoned with NaN first so that every element must be written);
 3. times each kernel (median of many runs, CUDA events via ``triton.testing.do_bench``) against its
    memory floor (bytes it must move / measured bandwidth);
-4. runs workloads S-gpu and B-gpu of WORKLOADS.md (bench-1b shape, random weights, bfloat16) for
+4. checks the engine paths that only exist on a GPU on a small float32 model: decode steps replayed
+   through CUDA graphs against eager steps (same greedy tokens, time per step), swap preemption to
+   pinned host memory against recompute (same tokens), and times the block swap;
+5. runs workloads S-gpu and B-gpu of WORKLOADS.md (bench-1b shape, random weights, bfloat16) for
    batchgen and the transformers ``generate`` baseline;
 
 then prints one table and writes ``gpu_check.json`` to ``$OUT`` (or the current directory).
@@ -159,6 +162,93 @@ def check_small_kernels(bw: float, rows: list) -> None:
     )
 
 
+def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
+    import numpy as np
+    import triton.testing
+
+    from batchgen import LLM, SamplingParams
+    from batchgen.tiny import make_model
+    from kernels.swap import swap_blocks
+
+    # block swap device -> pinned host -> device, all layers at once
+    cache = torch.randn((16, 2, 8, 1024, 16, 128), device="cuda", dtype=torch.bfloat16)
+    host = torch.empty((16, 2, 8, 512, 16, 128), dtype=torch.bfloat16, pin_memory=True)
+    src = torch.randperm(1024, device="cuda")[:256]
+    dst = torch.arange(256)
+    swap_blocks(cache, host, src, dst)
+    back = torch.zeros_like(cache)
+    swap_blocks(host, back, dst, src.cpu())
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(back[..., src, :, :], cache[..., src, :, :]))
+    ms = triton.testing.do_bench(lambda: swap_blocks(host, cache, dst, src.cpu()), warmup=5, rep=50)
+    nbytes = 256 * 16 * 2 * 8 * 16 * 128 * 2
+    kernel_rows.append(
+        {
+            "kernel": "swap_blocks host->device 256 blocks x 16 layers",
+            "rel_err": 0.0 if ok else 1.0,
+            "all_written": ok,
+            "ms": ms,
+            "GB/s": nbytes / (ms * 1e-3) / 1e9,
+            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
+        }
+    )
+
+    path = "/tmp/gpu-small"
+    if not (Path(path) / "config.json").exists():
+        make_model(
+            path,
+            "llama",
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=2,
+            max_positions=4096,
+            tokenizer_vocab=512,
+        )
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 32000, size=int(n)).tolist() for n in rng.integers(64, 300, size=24)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def timed(**kw):
+        llm = LLM(path, dtype="float32", device="cuda", **kw)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        s = llm.stats()
+        return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0, s, llm
+
+    eager, t_eager, s_eager, _ = timed(cuda_graphs=False)
+    graph, t_graph, s_graph, llm = timed()
+    replays = llm.engine.runner.graphs.replays if llm.engine.runner.graphs is not None else 0
+    same = sum(a == b for a, b in zip(eager, graph, strict=True)) / len(eager)
+    rows.append(
+        {
+            "check": "CUDA graphs vs eager, 24 prompts x 64 greedy tokens (float32)",
+            "same_tokens": same,
+            "eager_decode_ms_per_step": 1000 * s_eager["decode_s"] / max(1, s_eager["steps"]),
+            "graph_decode_ms_per_step": 1000 * s_graph["decode_s"] / max(1, s_graph["steps"]),
+            "wall_ratio": t_eager / t_graph,
+            "graph_replays": replays,
+        }
+    )
+    recompute, _, s_rec, _ = timed(num_kv_blocks=200, preemption_mode="recompute")
+    swapped, _, s_swap, _ = timed(num_kv_blocks=200, preemption_mode="swap", swap_space_gb=1.0)
+    rows.append(
+        {
+            "check": "swap vs recompute preemption, 200-block pool",
+            "same_tokens": sum(a == b for a, b in zip(recompute, swapped, strict=True)) / len(recompute),
+            "preemptions": s_swap["num_preemptions"],
+            "swap_outs": s_swap["num_swap_outs"],
+            "swapped_blocks": s_swap["swapped_blocks"],
+            "recompute_preemptions": s_rec["num_preemptions"],
+        }
+    )
+
+
 def run_workloads(model_dir: str, scale: float, rows: list) -> None:
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -232,6 +322,13 @@ def main() -> None:
     kernels: list = []
     check_attention(bw, kernels)
     check_small_kernels(bw, kernels)
+    engine_checks: list = []
+    try:
+        check_engine_paths(bw, kernels, engine_checks)
+    except Exception as e:  # noqa: BLE001 - report it and go on to the workloads
+        engine_checks.append({"check": "engine paths", "error": repr(e)})
+    for r in engine_checks:
+        print(json.dumps(r))
     workloads: list = []
     if not args.skip_workloads:
         if not (Path(args.model_dir) / "config.json").exists():
@@ -268,7 +365,16 @@ def main() -> None:
                 f"{r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x |"
             )
     (out_dir / "gpu_check.json").write_text(
-        json.dumps({"copy_GBs": bw, "bf16_TFLOPs": tf, "kernels": kernels, "workloads": workloads}, indent=2)
+        json.dumps(
+            {
+                "copy_GBs": bw,
+                "bf16_TFLOPs": tf,
+                "kernels": kernels,
+                "engine_checks": engine_checks,
+                "workloads": workloads,
+            },
+            indent=2,
+        )
     )
 
 

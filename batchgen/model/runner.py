@@ -9,6 +9,7 @@ logits of the last token of every sequence that samples this step, in the schedu
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from batchgen.model.attention import (
     TorchAttention,
     make_backend,
 )
+from batchgen.model.graphs import DecodeGraphs, HostStaging
 from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
 from kernels.swap import swap_blocks
@@ -60,6 +62,7 @@ class RunnerTimes:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, hf_config, max_model_len: int) -> None:
         self.cfg = cfg
+        self.max_model_len = max_model_len
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if cfg.num_threads:
@@ -101,6 +104,15 @@ class ModelRunner:
             self.host_cache = torch.empty(
                 shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
             )
+        self.staging = HostStaging(self.device)
+        # Decode steps replay CUDA graphs (the Triton backend's per-token layout, on CUDA only).
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.per_token_layout:
+            try:
+                self.graphs = DecodeGraphs(self, min(cfg.max_num_seqs, 256))
+            except RuntimeError as e:  # a capture failure costs speed, not results
+                warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}", stacklevel=2)
+                torch.cuda.synchronize(self.device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -209,12 +221,27 @@ class ModelRunner:
                 ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
 
         dev = self.device
-        bt_t = torch.from_numpy(bt).to(dev)
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev), num_decode=nd)
+        ids_np = np.array(ids, dtype=np.int64)
+        if self.graphs is not None and nd == len(order):
+            t2 = time.perf_counter()
+            logits = self.graphs.run(ids_np, positions, slots, bt)
+            if logits is not None:  # every decode row samples, in the scheduled order
+                t3 = time.perf_counter()
+                self.times.copy += t1 - t0
+                self.times.prepare += t2 - t1
+                self.times.forward += t3 - t2
+                return logits
+        if self.per_token_layout:
+            bt_t, slots_t, input_ids, pos_t, rows_t, ctx_t = self.staging(
+                bt, slots, ids_np, positions, seq_of_token, positions + 1
+            )
+        else:
+            bt_t, slots_t, input_ids, pos_t = self.staging(bt, slots, ids_np, positions)
+        meta = AttentionMetadata(slot_mapping=slots_t, num_decode=nd)
         if self.per_token_layout:
             meta.block_tables = bt_t
-            meta.token_rows = torch.from_numpy(seq_of_token).to(dev)
-            meta.token_ctx = torch.from_numpy(positions + 1).to(dev)
+            meta.token_rows = rows_t
+            meta.token_ctx = ctx_t
             meta.max_context = int(positions.max()) + 1
         else:
             if nd:
@@ -228,8 +255,6 @@ class ModelRunner:
                     )
                 )
 
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(order)}
         last = [int(cu[row_of[id(s)] + 1]) - 1 for s in scheduled if s.samples]

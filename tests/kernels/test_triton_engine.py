@@ -4,6 +4,7 @@ as transformers, and the same beams, on a tiny model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -41,3 +42,50 @@ def test_greedy_and_forks_with_triton_backend(tmp_path):
     assert [c.token_ids for c in llm.generate([prompts[2]], params)[0].outputs] == [
         c.token_ids for c in torch_llm.generate([prompts[2]], params)[0].outputs
     ]
+
+
+def test_decode_graph_path_pads_buckets_without_touching_other_blocks(tmp_path):
+    """The CUDA-graph decode path, run eagerly (``capture=False``) on a CPU: steps of 1..5 decode
+    rows are padded to buckets 1 / 2 / 4 / 8 over static buffers and give transformers' tokens;
+    padding rows write nothing (the KV cache equals a run without the graph path); a step larger than the biggest bucket falls
+    back to the ordinary path."""
+    from batchgen.model.graphs import DecodeGraphs, default_buckets
+    from batchgen.tiny import make_model
+
+    assert default_buckets(8) == [1, 2, 4, 8] and default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    path = str(
+        make_model(
+            tmp_path / "m",
+            "llama",
+            seed=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            num_kv_heads=1,
+            num_layers=2,
+        )
+    )
+    llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
+    runner = llm.engine.runner
+    runner.graphs = graphs = DecodeGraphs(runner, max_batch=4, capture=False)
+    assert graphs.buckets == [1, 2, 4]
+    prompts = [[5], [3, 9, 11, 40, 41, 42, 43, 44, 45], list(range(20, 37))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, 4)
+    assert graphs.replays > 0
+    # padding rows wrote nothing: the cache equals that of the same run without the graph path
+    fresh = [
+        LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
+        for _ in range(2)
+    ]
+    fresh[0].engine.runner.graphs = DecodeGraphs(fresh[0].engine.runner, max_batch=4, capture=False)
+    for x in fresh:
+        x.engine.runner.kv_cache.zero_()
+        x.generate(prompts, params)
+    assert torch.allclose(fresh[0].engine.runner.kv_cache, fresh[1].engine.runner.kv_cache, atol=1e-5)
+    # 6 decode rows > the largest bucket (4): the ordinary path, same tokens
+    out = llm.generate(prompts[1:], SamplingParams(n=3, top_k=1, max_tokens=3, ignore_eos=True))
+    for p, o in zip(prompts[1:], out):
+        assert all(c.token_ids == hf_greedy(path, p, 3) for c in o.outputs)
