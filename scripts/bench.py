@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,8 +107,8 @@ def useful_tokens(w: Workload) -> int:
 def in_fresh_process(fn, *args):
     """Run ``fn(*args)`` in a new interpreter: neither side inherits the other's allocator state,
     threads or caches (the engine tunes glibc's allocator for its own process)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | None = None) -> dict:
@@ -195,7 +196,53 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int) ->
     return {"per_batch_size": results, "best_batch_size": best, **results[best]}
 
 
-FLOOR_TOK_S = {"S": 1500, "B": 1200}
+MFLOP_PER_TOKEN = 84.0  # WORKLOADS.md: 2 x 40.5 M matmul parameters, plus attention
+
+
+def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> float:
+    """FLOP rate of the bench model's own GEMM shapes at a decode batch of ``rows``, through
+    ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from batchgen.model.linear import Linear
+
+    torch.set_num_threads(threads)
+    c = AutoConfig.from_pretrained(model_dir)
+    d, h, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or d // h
+    shapes = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * c.intermediate_size, d), (d, c.intermediate_size)]
+    shapes = shapes * c.num_hidden_layers + [(c.vocab_size, d)]
+    layers = {}
+    for n, k in set(shapes):
+        w = torch.randn(n, k) * 0.02
+        layers[n, k] = Linear(w, pack=True) if backend == "onednn" else (lambda x, w=w: F.linear(x, w))
+    xs = {k: torch.randn(rows, k) for _, k in shapes}
+    for n, k in shapes:  # warm-up
+        layers[n, k](xs[k])
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for n, k in shapes:
+            layers[n, k](xs[k])
+        best = min(best, time.perf_counter() - t0)
+    return sum(2 * rows * n * k for n, k in shapes) / best / 1e9
+
+
+def processed_tokens(w: Workload) -> int:
+    """Tokens whose activations must be computed: each distinct prompt token once, and every
+    generated token (as the next step's input)."""
+    if w.name == "P":  # one shared prefix, computed once with prefix caching
+        prompt = 512 + sum(len(p) - 512 for p in w.prompts)
+    else:
+        prompt = sum(len(p) for p in w.prompts)
+    return prompt + useful_tokens(w)
+
+
+def floor_tok_s(w: Workload, gflops: float) -> float:
+    """Generated tokens per second if every processed token cost only its matmuls at ``gflops``."""
+    seconds = processed_tokens(w) * MFLOP_PER_TOKEN * 1e6 / (gflops * 1e9)
+    return useful_tokens(w) / seconds
 
 
 def main() -> None:
@@ -227,7 +274,8 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     rows = []
-    for w in make_workloads(vocab, [x.upper() for x in args.workloads]):
+    workloads = make_workloads(vocab, [x.upper() for x in args.workloads])
+    for w in workloads:
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts", flush=True)
         bg = in_fresh_process(run_batchgen, args.model, w, args.threads, settings)
         s = bg["stats"]
@@ -261,18 +309,26 @@ def main() -> None:
             f"{s['decode_s']:.1f} | {other:.1f} | {s['peak_physical_kv_slots']} / {s['peak_logical_kv_tokens']} "
             f"({s['physical_over_logical']:.0%}) | {s['cow_copies']} | {s['prefix_cache_hit_tokens']} |"
         )
-    for r in rows:
-        if r["workload"] in FLOOR_TOK_S:
-            f = FLOOR_TOK_S[r["workload"]]
-            print(
-                f"{r['workload']}: {r['batchgen']['tokens_per_s'] / f:.0%} of the matmul floor (~{f} tok/s)"
-            )
+    rates = {b: in_fresh_process(gemm_gflops, args.model, b, args.threads) for b in ("torch", "onednn")}
+    print(
+        f"\nGEMM rate of the model's shapes at 128 rows: F.linear (MKL) {rates['torch']:.0f} GFLOP/s, "
+        f"oneDNN packed {rates['onednn']:.0f} GFLOP/s"
+    )
+    print(
+        "| workload | matmul floor tok/s at F.linear rate | at oneDNN rate | batchgen share of the oneDNN floor |"
+    )
+    print("| --- | --- | --- | --- |")
+    for r, w in zip(rows, workloads, strict=True):
+        lo, hi = floor_tok_s(w, rates["torch"]), floor_tok_s(w, rates["onednn"])
+        r["floor_tok_s"] = {"torch": lo, "onednn": hi}
+        print(f"| {w.name} | {lo:.0f} | {hi:.0f} | {r['batchgen']['tokens_per_s'] / hi:.0%} |")
     meta = {
         "machine": platform.platform(),
         "cpu": platform.processor(),
         "threads": args.threads,
         "torch": torch.__version__,
         "engine_settings": settings,
+        "gemm_gflops": rates,
     }
     Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
     print(f"wrote {args.json}")

@@ -222,7 +222,7 @@ class ModelRunner:
 
         dev = self.device
         ids_np = np.array(ids, dtype=np.int64)
-        if self.graphs is not None and nd == len(order):
+        if self.graphs is not None and nd == len(order) and all(s.samples for s in order):
             t2 = time.perf_counter()
             logits = self.graphs.run(ids_np, positions, slots, bt)
             if logits is not None:  # every decode row samples, in the scheduled order

@@ -89,3 +89,39 @@ def test_decode_graph_path_pads_buckets_without_touching_other_blocks(tmp_path):
     out = llm.generate(prompts[1:], SamplingParams(n=3, top_k=1, max_tokens=3, ignore_eos=True))
     for p, o in zip(prompts[1:], out):
         assert all(c.token_ids == hf_greedy(path, p, 3) for c in o.outputs)
+
+
+def test_decode_graph_path_skips_steps_with_a_one_token_prefill_chunk(tmp_path):
+    """Eight one-token prompts and a long one under a 9-token budget: the first step is nine
+    one-token rows, one of them a prefill chunk that does not sample. Such a step must not take
+    the decode-graph path (whose logits are one per row)."""
+    from batchgen.model.graphs import DecodeGraphs
+    from batchgen.tiny import make_model
+
+    path = str(
+        make_model(
+            tmp_path / "m",
+            "llama",
+            seed=5,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            num_layers=1,
+        )
+    )
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        block_size=8,
+        num_kv_blocks=40,
+        max_num_batched_tokens=9,
+    )
+    llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, max_batch=16, capture=False)
+    prompts = [[5 + i] for i in range(8)] + [list(range(20, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, 3)
+    assert llm.engine.runner.graphs.replays > 0
