@@ -2,7 +2,7 @@
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
     python scripts/bench.py [S B P D] [--model models/bench-56m] [--baseline-batch-sizes 4 8 16]
-                            [--skip-baseline] [--json bench.json]
+                            [--skip-baseline] [--json bench-cpu.json] [--engine-setting K=V]
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's.
@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--skip-baseline", action="store_true")
-    ap.add_argument("--json", default="bench.json")
+    ap.add_argument("--json", default="bench-cpu.json")
     ap.add_argument(
         "--engine-setting",
         action="append",
