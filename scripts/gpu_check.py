@@ -47,6 +47,19 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+def kernel_row(name: str, ok: bool, ms: float, nbytes: int, bw: float) -> dict:
+    """A table row for a kernel that moves ``nbytes`` in ``ms`` (exact result: ``ok``)."""
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return {
+        "kernel": name,
+        "rel_err": 0.0 if ok else 1.0,
+        "all_written": ok,
+        "ms": ms,
+        "GB/s": gbs,
+        "of_copy_bw": gbs / bw,
+    }
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
@@ -128,16 +141,7 @@ def check_small_kernels(bw: float, rows: list) -> None:
         lambda: write_kv(k, v, kc, vc, slots), warmup=25, rep=200, return_mode="median"
     )
     nbytes = 4 * k.numel() * k.element_size()
-    rows.append(
-        {
-            "kernel": "write_kv 8192 tokens",
-            "rel_err": 0.0 if ok else 1.0,
-            "all_written": ok,
-            "ms": ms,
-            "GB/s": nbytes / (ms * 1e-3) / 1e9,
-            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
-        }
-    )
+    rows.append(kernel_row("write_kv 8192 tokens", ok, ms, nbytes, bw))
 
     cache = torch.randn((16, 2, kvh, 2048, bs, d), device="cuda", dtype=torch.bfloat16)
     src = torch.randperm(1024, device="cuda")[:256]
@@ -150,16 +154,7 @@ def check_small_kernels(bw: float, rows: list) -> None:
         lambda: copy_blocks(cache, src, dst), warmup=25, rep=200, return_mode="median"
     )
     nbytes = 2 * 256 * 16 * 2 * kvh * bs * d * cache.element_size()
-    rows.append(
-        {
-            "kernel": "copy_blocks 256 pairs x 16 layers",
-            "rel_err": 0.0 if ok else 1.0,
-            "all_written": ok,
-            "ms": ms,
-            "GB/s": nbytes / (ms * 1e-3) / 1e9,
-            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
-        }
-    )
+    rows.append(kernel_row("copy_blocks 256 pairs x 16 layers", ok, ms, nbytes, bw))
 
 
 def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
@@ -167,7 +162,7 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     import triton.testing
 
     from batchgen import LLM, SamplingParams
-    from batchgen.tiny import make_model
+    from batchgen.tiny import make_bench_model
     from kernels.swap import swap_blocks
 
     # block swap device -> pinned host -> device, all layers at once
@@ -182,31 +177,11 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     ok = bool(torch.equal(back[..., src, :, :], cache[..., src, :, :]))
     ms = triton.testing.do_bench(lambda: swap_blocks(host, cache, dst, src.cpu()), warmup=5, rep=50)
     nbytes = 256 * 16 * 2 * 8 * 16 * 128 * 2
-    kernel_rows.append(
-        {
-            "kernel": "swap_blocks host->device 256 blocks x 16 layers",
-            "rel_err": 0.0 if ok else 1.0,
-            "all_written": ok,
-            "ms": ms,
-            "GB/s": nbytes / (ms * 1e-3) / 1e9,
-            "of_copy_bw": nbytes / (ms * 1e-3) / 1e9 / bw,
-        }
-    )
+    kernel_rows.append(kernel_row("swap_blocks host->device 256 blocks x 16 layers", ok, ms, nbytes, bw))
 
-    path = "/tmp/gpu-small"
+    path = "/tmp/bench-56m"
     if not (Path(path) / "config.json").exists():
-        make_model(
-            path,
-            "llama",
-            vocab_size=32000,
-            hidden_size=512,
-            intermediate_size=1536,
-            num_layers=8,
-            num_heads=8,
-            num_kv_heads=2,
-            max_positions=4096,
-            tokenizer_vocab=512,
-        )
+        make_bench_model(path)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 32000, size=int(n)).tolist() for n in rng.integers(64, 300, size=24)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

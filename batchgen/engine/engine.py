@@ -421,6 +421,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swap_outs": self.scheduler.num_swap_outs,
             "swapped_blocks": self.scheduler.num_swapped_blocks,
+            "linear_backend": "onednn" if self.runner.model.lm_head.packed is not None else "torch",
+            "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             "peak_logical_kv_tokens": int(st.get("peak_logical_kv_tokens", 0)),
             "peak_physical_kv_slots": int(st.get("peak_physical_kv_slots", 0)),
             "unused_slots_in_held_blocks_at_peak": int(st.get("unused_slots_in_held_blocks_at_peak", 0)),

@@ -57,10 +57,14 @@ def test_linear_backend_setting():
 
 @needs_onednn
 def test_engine_packs_its_cpu_weights_unless_told_not_to(llama_dir):
-    packed = LLM(llama_dir, dtype="float32", device="cpu").engine.runner.model
+    llm = LLM(llama_dir, dtype="float32", device="cpu")
+    assert llm.stats()["linear_backend"] == "onednn"
+    packed = llm.engine.runner.model
     layers = [packed.lm_head] + [x for lw in packed.layers for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
     assert all(layer.packed is not None for layer in layers)
-    plain = LLM(llama_dir, dtype="float32", device="cpu", linear_backend="torch").engine.runner.model
+    plain_llm = LLM(llama_dir, dtype="float32", device="cpu", linear_backend="torch")
+    assert plain_llm.stats()["linear_backend"] == "torch"
+    plain = plain_llm.engine.runner.model
     assert plain.lm_head.packed is None and plain.layers[0].qkv.packed is None
 
 
