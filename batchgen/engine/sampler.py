@@ -2,11 +2,14 @@
 
 Order of processing (vLLM's): ``min_tokens`` blocks stop tokens, then repetition / presence /
 frequency penalties, then greedy rows take the argmax; other rows divide by temperature, apply
-``min_p``, ``top_k`` and ``top_p``, and draw by inverse CDF with one uniform number per row.
+``min_p``, ``top_k`` and ``top_p``, and draw by inverse CDF with one uniform number per draw.
 
-That number comes from a counter-based hash of (the sequence's seed, its output position), not from
-a shared generator, so a seeded request samples the same tokens whatever else is in the batch and
-after a preemption. Reported log-probabilities are the raw model's (``log_softmax`` of the logits).
+Those numbers come from a counter-based hash of (the sequence's seed, its output position, the
+draw), not from a shared generator, so a seeded request samples the same tokens whatever else is in
+the batch and after a preemption. Reported log-probabilities are the raw model's (``log_softmax`` of
+the logits). Full-vocabulary work is done by torch's fused softmax kernels (one for the raw
+distribution, one for the tempered one when a temperature is not 1) and a few elementwise passes:
+on the CPU those passes, not the arithmetic, are the cost.
 """
 
 from __future__ import annotations
