@@ -3,8 +3,8 @@
 On the CPU, float32 and bfloat16 weights are reordered into oneDNN's blocked GEMM layout and
 multiplied with ``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does with its oneDNN
 GEMMs. ``F.linear`` goes through MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a
-code path about half as fast as oneDNN's for the decode shapes here (``scripts/bench.py`` reports
-both). Each packed layer is checked against ``F.linear`` when it is built; if oneDNN is missing, or
+code path that ran the bench model's shapes at about a third of oneDNN's rate (``scripts/bench.py``
+measures both). Each packed layer is checked against ``F.linear`` when it is built; if oneDNN is missing, or
 the check fails, the layer keeps the plain weight and ``F.linear``. On other devices nothing is packed.
 """
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 _PACK_HINT_ROWS = 128
 # oneDNN compiles and caches a kernel per GEMM shape (about 1 MB each), so the row counts it sees
 # are kept to a fixed set: a call is cut into pieces of at most 256 rows, and a piece's rows are
-# padded up to the next size of this list (at most 12.5% more rows).
+# padded up to the next size of this list (at most 7 rows more up to 64, at most 25% more above).
 _ROW_SIZES = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _MAX_ROWS = _ROW_SIZES[-1]
 _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
