@@ -81,6 +81,7 @@ def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
                 "greedy",
                 [32] * 64,
                 notes="shared 512-token prefix",
+                extra={"shared_prefix": len(prefix)},
             )
         )
     if "D" in names:
@@ -202,7 +203,6 @@ MFLOP_PER_TOKEN = 84.0  # WORKLOADS.md: 2 x 40.5 M matmul parameters, plus atten
 def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> float:
     """FLOP rate of the bench model's own GEMM shapes at a decode batch of ``rows``, through
     ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them."""
-    import torch.nn.functional as F
     from transformers import AutoConfig
 
     from batchgen.model.linear import Linear
@@ -213,10 +213,7 @@ def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> 
     hd = getattr(c, "head_dim", None) or d // h
     shapes = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * c.intermediate_size, d), (d, c.intermediate_size)]
     shapes = shapes * c.num_hidden_layers + [(c.vocab_size, d)]
-    layers = {}
-    for n, k in set(shapes):
-        w = torch.randn(n, k) * 0.02
-        layers[n, k] = Linear(w, pack=True) if backend == "onednn" else (lambda x, w=w: F.linear(x, w))
+    layers = {(n, k): Linear(torch.randn(n, k) * 0.02, pack=backend == "onednn") for n, k in set(shapes)}
     xs = {k: torch.randn(rows, k) for _, k in shapes}
     for n, k in shapes:  # warm-up
         layers[n, k](xs[k])
@@ -232,11 +229,8 @@ def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> 
 def processed_tokens(w: Workload) -> int:
     """Tokens whose activations must be computed: each distinct prompt token once, and every
     generated token (as the next step's input)."""
-    if w.name == "P":  # one shared prefix, computed once with prefix caching
-        prompt = 512 + sum(len(p) - 512 for p in w.prompts)
-    else:
-        prompt = sum(len(p) for p in w.prompts)
-    return prompt + useful_tokens(w)
+    shared = w.extra.get("shared_prefix", 0)  # computed once, with prefix caching
+    return shared + sum(len(p) - shared for p in w.prompts) + useful_tokens(w)
 
 
 def floor_tok_s(w: Workload, gflops: float) -> float:

@@ -120,9 +120,8 @@ def _draw(probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None 
     b = torch.searchsorted(block_cdf, target[:, None]).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
     # the chosen block of each row (the last one may be short: pad it with zeros)
-    cols = (b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :]).clamp_(max=vocab - 1)
-    inner = probs.gather(1, cols)
-    inner = inner.masked_fill_(b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :] >= vocab, 0.0)
+    cols = b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :]
+    inner = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
     j = torch.searchsorted(inner.double().cumsum(dim=-1), (target[:, None] - before)).clamp_(max=_BLOCK - 1)
     idx = (b * _BLOCK + j).squeeze(1)
     return idx.clamp_(max=vocab - 1)

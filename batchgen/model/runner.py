@@ -101,9 +101,15 @@ class ModelRunner:
             self.num_host_blocks = max(1, int(cfg.swap_space_gb * 2**30 // self.bytes_per_block))
             shape = list(self.kv_cache.shape)
             shape[3] = self.num_host_blocks
-            self.host_cache = torch.empty(
-                shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
-            )
+            try:
+                self.host_cache = torch.empty(
+                    shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda"
+                )
+            except RuntimeError as e:
+                raise ValueError(
+                    f"swap_space_gb={cfg.swap_space_gb}: cannot allocate the host pool for swap "
+                    f"preemption ({self.num_host_blocks} blocks); lower swap_space_gb ({e})"
+                ) from e
         self.staging = HostStaging(self.device)
         # Decode steps replay CUDA graphs (the Triton backend's per-token layout, on CUDA only).
         self.graphs: DecodeGraphs | None = None

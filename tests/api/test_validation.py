@@ -80,6 +80,11 @@ def test_bad_engine_settings_name_the_setting(llama_dir, key, value, rule):
         LLM(llama_dir, **{key: value})
 
 
+def test_a_host_pool_that_cannot_be_allocated_names_the_setting(llama_dir):
+    with pytest.raises(ValueError, match=r"swap_space_gb=1000000000\.0: cannot allocate the host pool"):
+        LLM(llama_dir, preemption_mode="swap", swap_space_gb=1e9)
+
+
 def test_a_request_that_can_never_fit_raises_instead_of_spinning(llama_dir, monkeypatch):
     """Validation keeps such requests out; if one gets in anyway, the engine names it rather than
     looping forever on empty steps."""

@@ -12,21 +12,26 @@ from batchgen import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from tests.oracle import hf_greedy  # noqa: E402
 
 
-def test_greedy_and_forks_with_triton_backend(tmp_path):
+def tiny_model(tmp_path, arch: str, seed: int, num_kv_heads: int, num_layers: int) -> str:
+    """A 4-head, hidden-32 model: small enough for the Triton interpreter."""
     from batchgen.tiny import make_model
 
-    path = str(
+    return str(
         make_model(
             tmp_path / "m",
-            "qwen3",
-            seed=3,
+            arch,
+            seed=seed,
             hidden_size=32,
             intermediate_size=64,
             num_heads=4,
-            num_kv_heads=2,
-            num_layers=2,
+            num_kv_heads=num_kv_heads,
+            num_layers=num_layers,
         )
     )
+
+
+def test_greedy_and_forks_with_triton_backend(tmp_path):
+    path = tiny_model(tmp_path, "qwen3", seed=3, num_kv_heads=2, num_layers=2)
     llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=32)
     assert type(llm.engine.runner.backend).__name__ == "TritonAttention"
     prompts = [[5], [3, 9, 11, 40, 41, 42, 43, 44, 45], list(range(20, 37))]
@@ -50,21 +55,9 @@ def test_decode_graph_path_pads_buckets_without_touching_other_blocks(tmp_path):
     padding rows write nothing (the KV cache equals a run without the graph path); a step larger than the biggest bucket falls
     back to the ordinary path."""
     from batchgen.model.graphs import DecodeGraphs, default_buckets
-    from batchgen.tiny import make_model
 
     assert default_buckets(8) == [1, 2, 4, 8] and default_buckets(20) == [1, 2, 4, 8, 16, 20]
-    path = str(
-        make_model(
-            tmp_path / "m",
-            "llama",
-            seed=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            num_kv_heads=1,
-            num_layers=2,
-        )
-    )
+    path = tiny_model(tmp_path, "llama", seed=4, num_kv_heads=1, num_layers=2)
     llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
     runner = llm.engine.runner
     runner.graphs = graphs = DecodeGraphs(runner, max_batch=4, capture=False)
@@ -96,20 +89,8 @@ def test_decode_graph_path_skips_steps_with_a_one_token_prefill_chunk(tmp_path):
     one-token rows, one of them a prefill chunk that does not sample. Such a step must not take
     the decode-graph path (whose logits are one per row)."""
     from batchgen.model.graphs import DecodeGraphs
-    from batchgen.tiny import make_model
 
-    path = str(
-        make_model(
-            tmp_path / "m",
-            "llama",
-            seed=5,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            num_layers=1,
-        )
-    )
+    path = tiny_model(tmp_path, "llama", seed=5, num_kv_heads=2, num_layers=1)
     llm = LLM(
         path,
         dtype="float32",
