@@ -19,8 +19,14 @@ DEMO_PROMPTS = [
 
 
 def cmd_job(args: argparse.Namespace) -> int:
+    """Exit codes: 0 done, 1 the run failed (output not writable, input changed under it),
+    2 refused before any work (config errors, another config's output, a directory in use),
+    128 + signal number when SIGTERM / SIGINT stopped it (finished rows saved)."""
     from batchgen.job.config import ConfigError, load_job_config
-    from batchgen.job.runner import JobRefused, JobRunner
+    from batchgen.job.lock import OutputLocked
+    from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRefused, JobRunner
+    from batchgen.job.sink import OutputWriteError
+    from batchgen.job.source import InputChanged
 
     try:
         cfg = load_job_config(args.config, args.set)
@@ -29,9 +35,15 @@ def cmd_job(args: argparse.Namespace) -> int:
 
             cfg = replace(cfg, run=replace(cfg.run, progress=False))
         report = JobRunner(cfg, overwrite=args.overwrite).run()
-    except (ConfigError, JobRefused) as e:
+    except JobInterrupted as e:
+        print(f"batchgen: {e}", file=sys.stderr)
+        return e.exit_code
+    except (ConfigError, JobRefused, OutputLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OutputWriteError, InputChanged, JobIncomplete) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:  # model directory problems and the like
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,10 @@ class LLM:
         """Generate for every prompt. ``params``: one for all prompts, or one per prompt.
 
         Every prompt and parameter set is validated before any request enters the engine; a bad one
-        raises ValueError naming the prompt's position and the problem.
+        raises ValueError naming the prompt's position and the problem. A request that passed
+        validation always completes; should the engine still give up on one, its output carries
+        ``error`` and the others are unaffected. An interrupt (Ctrl-C) drops the call's unfinished
+        requests, so the engine stays usable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -77,13 +80,21 @@ class LLM:
         show = use_tqdm if use_tqdm is not None else len(ids) >= 32
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not show, dynamic_ncols=True)
         generated = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                results[out.request_id] = out
-                generated += sum(len(c.token_ids) for c in out.outputs)
-                bar.update(1)
-                bar.set_postfix(gen_tokens=generated, refresh=False)
-        bar.close()
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix(gen_tokens=generated, refresh=False)
+        except BaseException:
+            # An interrupt or an error mid-run: drop this call's requests so the engine stays usable.
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [results[rid] for rid in ids]
 
     def stats(self) -> dict[str, float | int]:

@@ -31,7 +31,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt, best first for beam search, by sample index otherwise."""
+    """All completions of one prompt, best first for beam search, by sample index otherwise.
+    ``error`` is set (and ``outputs`` empty) when the engine gave up on this request alone."""
 
     request_id: str
     prompt: str | None
@@ -39,3 +40,4 @@ class RequestOutput:
     num_cached_tokens: int
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    error: str | None = None

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from batchgen.utils import cdiv
+
 
 class CopyPair(NamedTuple):
     """Copy physical block ``src`` into ``dst`` before this step's forward pass (copy-on-write;
@@ -164,12 +166,17 @@ class PrefixMatch(NamedTuple):
 
     block_ids: list[int]
     hashes: list[int]
-    num_free_hits: int
+    free_block_ids: list[int]  # the matched blocks that are free (cached, refcount 0)
     next_hash: int | None = None  # hash of the first full block that missed, if any
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    @property
+    def num_free_hits(self) -> int:
+        """Free blocks that taking this match removes from the free queue."""
+        return len(self.free_block_ids)
 
 
 @dataclass
@@ -225,18 +232,19 @@ class BlockManager:
         """Cached leading full blocks of ``token_ids`` (at most ``max_blocks``)."""
         bs = self.block_size
         limit = len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
-        ids, hashes, free_hits, parent = [], [], 0, None
+        ids, hashes, free_ids, parent = [], [], [], None
         for i in range(limit):
             chunk = token_ids[i * bs : (i + 1) * bs]
             h = hash_block(parent, chunk, extra_key)
             block = self.pool.lookup(h, chunk)
             if block is None:
-                return PrefixMatch(ids, hashes, free_hits, h)
+                return PrefixMatch(ids, hashes, free_ids, h)
             ids.append(block.block_id)
             hashes.append(h)
-            free_hits += block.ref_count == 0
+            if block.ref_count == 0:
+                free_ids.append(block.block_id)
             parent = h
-        return PrefixMatch(ids, hashes, free_hits)
+        return PrefixMatch(ids, hashes, free_ids)
 
     def chain_hashes(
         self, token_ids: Sequence[int], match: PrefixMatch, end: int, extra_key: object = None
@@ -252,12 +260,39 @@ class BlockManager:
 
     def blocks_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Free blocks that ``append_slots(seq_id, num_computed, num_new)`` would take."""
-        table = self.table(seq_id)
-        needed = -(-(num_computed + num_new) // self.block_size) - len(table)
-        first = num_computed // self.block_size
-        if num_new > 0 and first < len(table) and not self._writable(self.pool.blocks[table[first]]):
-            needed += 1
-        return max(needed, 0)
+        return self.blocks_needed_many([(seq_id, num_computed, num_new)])
+
+    def blocks_needed_many(self, writes: Sequence[tuple[int, int, int]]) -> int:
+        """Free blocks that ``append_slots`` over every ``(seq_id, num_computed, num_new)`` of
+        ``writes``, in order, would take. A swapped-out sequence is counted as if swapped in.
+
+        A shared block written by ``w`` of its ``r`` holders is copied ``w`` times, except that
+        when all of them write (``w == r``) the last one finds it private and writes in place:
+        the n samples of a prompt whose last block is partial take n - 1 copies, not n.
+        """
+        bs = self.block_size
+        need = 0
+        writers: dict[tuple[bool, int], int] = {}
+        for seq_id, num_computed, num_new in writes:
+            on_host = seq_id in self.swapped
+            table = self.swapped[seq_id] if on_host else self.table(seq_id)
+            need += max(cdiv(num_computed + num_new, bs) - len(table), 0)
+            first = num_computed // bs
+            if num_new > 0 and first < len(table):
+                key = (on_host, table[first])
+                writers[key] = writers.get(key, 0) + 1
+        for (on_host, block_id), w in writers.items():
+            if on_host:  # swapped-in blocks come back unhashed, shared as on the host
+                refs, hashed = self.host_refs[block_id], False
+            else:
+                block = self.pool.blocks[block_id]
+                refs, hashed = block.ref_count, block.block_hash is not None
+            need += w - 1 if w == refs and not hashed else w
+        return need
+
+    def has_blocks(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` holds any block, on the device or swapped out to the host."""
+        return bool(self.table(seq_id) or self.swapped.get(seq_id))
 
     # -- mutations -----------------------------------------------------------------------------
     def allocate_prefix(self, seq_id: int, match: PrefixMatch) -> int:

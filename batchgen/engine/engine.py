@@ -26,6 +26,7 @@ from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.utils import cdiv
 
 
 def _eos_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
@@ -66,6 +67,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
         self._stats = defaultdict(float)
+        self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -96,15 +98,27 @@ class LLMEngine:
                     raise ValueError(
                         f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})"
                     )
-        max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
-        bs = self.block_size
-        need = -(-len(token_ids) // bs) + params.group_size * (-(-max_new // bs) + 1)
+        need = self.blocks_needed_alone(len(token_ids), params)
         if need > self.bm.num_blocks:
             raise ValueError(
-                f"request may need {need} KV blocks (prompt {len(token_ids)} tokens, up to {max_new} new tokens "
-                f"x {params.group_size} sequences) but the pool has {self.bm.num_blocks}; "
-                "raise num_kv_blocks or lower max_tokens / n"
+                f"request needs {need} KV blocks of {self.block_size} tokens even alone (prompt "
+                f"{len(token_ids)} tokens, up to {self._max_new(len(token_ids), params)} new tokens x "
+                f"{params.group_size} sequences) but the pool has {self.bm.num_blocks}; "
+                "raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens / n"
             )
+
+    def _max_new(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> int:
+        return min(params.max_tokens or self.max_model_len, self.max_model_len - num_prompt_tokens)
+
+    def blocks_needed_alone(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> int:
+        """The most KV blocks a request holds when it runs alone, the pool size it needs: its full
+        prompt blocks once (shared by all its samples or beams), and per sample or beam its own
+        blocks after them up to its last computed token (the last generated token's KV is never
+        written). The scheduler guarantees that a request within this completes in any mix."""
+        bs = self.block_size
+        last = num_prompt_tokens + self._max_new(num_prompt_tokens, params) - 1
+        shared = num_prompt_tokens // bs
+        return shared + params.group_size * (cdiv(last, bs) - shared)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
@@ -136,6 +150,7 @@ class LLMEngine:
             if params.stop:
                 seq.detok = StopStringWatcher(self.tokenizer, params)
         group.seqs.append(seq)
+        self._groups[request_id] = group
         self.scheduler.add(group)
 
     def has_unfinished(self) -> bool:
@@ -145,18 +160,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        for group in out.preempted:
+        if out.is_empty and not self.scheduler.running and (self.scheduler.waiting or self.scheduler.swapped):
+            # Nothing can run and nothing running will free blocks: give up on the head request
+            # alone (validation makes this unreachable for requests that fit the pool).
+            group = (self.scheduler.swapped or self.scheduler.waiting)[0]
+            self.scheduler.fail(group, out, f"cannot be scheduled in a pool of {self.bm.num_blocks} KV blocks")
+        for group in out.preempted + out.failed:
             for seq in group.seqs:
                 self._pending.pop(seq.seq_id, None)
         if out.is_empty:
-            if not self.scheduler.running and (self.scheduler.waiting or self.scheduler.swapped):
-                group = (self.scheduler.swapped or self.scheduler.waiting)[0]
-                raise RuntimeError(
-                    f"request {group.request_id} cannot be scheduled: it needs more KV blocks than the pool's "
-                    f"{self.bm.num_blocks} free ones; raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens / n"
-                )
             self.runner.apply_block_ops(out.swaps, out.fresh_blocks, out.copies)
-            return self._collect()
+            return self._collect(out.failed)
         t1 = time.perf_counter()
         logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks, out.swaps)
         t2 = time.perf_counter()
@@ -186,7 +200,7 @@ class LLMEngine:
                 for seq in group.seqs:
                     seq.check()
         t4 = time.perf_counter()
-        done = self._collect()
+        done = self._collect(out.failed)
         st["output_s"] += time.perf_counter() - t4
         return done
 
@@ -318,8 +332,23 @@ class LLMEngine:
         group.seqs = list(state.beams)
 
     # -- results -------------------------------------------------------------------------------
-    def _collect(self) -> list[RequestOutput]:
-        return [self._output(g) for g in self.scheduler.remove_finished()]
+    def _collect(self, failed: list[SequenceGroup]) -> list[RequestOutput]:
+        done = [self._output(g) for g in self.scheduler.remove_finished()]
+        for group in failed:
+            done.append(
+                RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, 0, error=group.error)
+            )
+        for out in done:
+            self._groups.pop(out.request_id, None)
+        return done
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a queued or running request and free its blocks; unknown ids are ignored."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            self.scheduler.abort(group)
+            for seq in group.seqs:
+                self._pending.pop(seq.seq_id, None)
 
     def _decode(self, ids: list[int], skip_special: bool) -> str:
         try:

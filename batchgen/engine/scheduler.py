@@ -3,7 +3,8 @@
 One step (``schedule``):
 
 0. Swapped groups (swap preemption), oldest first, come back while the pool (minus a small
-   watermark) holds their blocks plus one more per sequence, and join the running groups.
+   watermark while others run) holds their blocks plus what they compute this step, and join the
+   running groups.
 1. Running groups, oldest first. Each live sequence with tokens to compute gets
    ``min(uncomputed, token budget)`` of them: 1 for a decoding sequence, a chunk for a prefill.
    If the pool cannot hold them, the newest running group is preempted until it can, or the group
@@ -17,6 +18,12 @@ One step (``schedule``):
 The result is a ``SchedulerOutput``: which sequences run how many tokens, which blocks to swap
 (in the order decided) and which to copy.
 A group is preempted and admitted as a whole; ``max_num_seqs`` counts a group at its final size.
+
+Why every request that fits the pool alone completes in any mix: a group's block need is planned
+exactly (``_plan``: shared blocks once), the first running group is never the victim while others
+run, and nothing is admitted while a group is swapped out. So the oldest running group always
+advances and finishes, and a preempted group comes back at the latest into an idle pool, where
+its need is at most ``LLMEngine.blocks_needed_alone``, which validation holds to the pool size.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager, CopyPair, PrefixMatch
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from batchgen.utils import cdiv
 
 
 class ScheduledSeq(NamedTuple):
@@ -45,6 +53,7 @@ class SchedulerOutput:
     fresh_blocks: list[int] = field(default_factory=list)  # newly allocated blocks (zeroed by the runner)
     preempted: list[SequenceGroup] = field(default_factory=list)  # by recompute
     swapped_out: list[SequenceGroup] = field(default_factory=list)
+    failed: list[SequenceGroup] = field(default_factory=list)  # could not run at all; see ``group.error``
     # (to_host, pairs) in the order decided: (device, host) pairs out, (host, device) pairs in
     swaps: list[tuple[bool, list[CopyPair]]] = field(default_factory=list)
 
@@ -58,11 +67,12 @@ class SchedulerOutput:
 
 
 class _Plan(NamedTuple):
+    """``seq`` computes ``num_new`` tokens from ``start``, first taking ``match`` when it has no blocks."""
+
     seq: Sequence
     match: PrefixMatch | None
     start: int
     num_new: int
-    blocks: int
 
 
 class Scheduler:
@@ -154,25 +164,34 @@ class Scheduler:
                 return self._apply(plans, out)
             victim = self.running[-1]
             if victim is group and len(self.running) == 1:
-                raise RuntimeError(
-                    f"request {group.request_id} needs more KV blocks than the pool has "
-                    f"({self.bm.num_blocks}); raise num_kv_blocks or lower max_tokens / n"
-                )
+                # Alone and still too big: only a request that validation should have rejected.
+                # Fail it alone rather than the batch, and leave the engine usable.
+                reason = f"needs {need} KV blocks in one step; the pool has {self.bm.num_free_blocks} free"
+                self.fail(group, out, reason)
+                return None
             self._preempt(victim, out)
             if victim is group:
                 return None
 
     def _plan(self, group: SequenceGroup, budget: int) -> tuple[list[_Plan], int]:
-        plans, need = [], 0
+        """What the group's live sequences compute this step within ``budget`` tokens, and how many
+        free blocks that takes. Each block is counted once for the whole group: a free cached
+        prefix block that several siblings match (all of them after a recompute preemption) is
+        taken once, and a shared block that all its holders write is copied for all but the last
+        (``BlockManager.blocks_needed_many``)."""
+        plans: list[_Plan] = []
         bs = self.bm.block_size
         computing: set[int] = set()  # blocks an earlier sequence of this group fills this step
+        matched_free: set[int] = set()  # free cached blocks the matches take out of the free queue
+        new_blocks = 0  # blocks after the matched prefixes
+        writes: list[tuple[int, int, int]] = []  # (seq id, start, tokens) of sequences with blocks
         for seq in group.live_seqs:
             if budget <= 0:
                 break
             if seq.num_uncomputed_tokens == 0:
                 continue
             match, start = None, seq.num_computed_tokens
-            if start == 0 and not self.bm.table(seq.seq_id):
+            if start == 0 and not self.bm.has_blocks(seq.seq_id):
                 # Keep at least one token to compute: its logits are what the step is for.
                 match = self.bm.match_prefix(seq.token_ids, group.cache_key, (seq.num_tokens - 1) // bs)
                 if match.next_hash is not None and match.next_hash in computing:
@@ -180,18 +199,19 @@ class Scheduler:
                     # preemption): take them from the cache next step instead of a second copy.
                     continue
                 start = match.num_blocks * bs
-                need += match.num_free_hits
+                matched_free.update(match.free_block_ids)
             num_new = min(seq.num_tokens - start, budget)
-            if match is not None and len(group.seqs) > 1:
-                computing.update(self.bm.chain_hashes(seq.token_ids, match, start + num_new, group.cache_key))
             if match is not None:
-                blocks = -(-(start + num_new) // bs) - match.num_blocks
+                if len(group.seqs) > 1:
+                    computing.update(
+                        self.bm.chain_hashes(seq.token_ids, match, start + num_new, group.cache_key)
+                    )
+                new_blocks += cdiv(start + num_new, bs) - match.num_blocks
             else:
-                blocks = self.bm.blocks_needed(seq.seq_id, start, num_new)
-            plans.append(_Plan(seq, match, start, num_new, blocks))
-            need += blocks
+                writes.append((seq.seq_id, start, num_new))
+            plans.append(_Plan(seq, match, start, num_new))
             budget -= num_new
-        return plans, need
+        return plans, len(matched_free) + new_blocks + self.bm.blocks_needed_many(writes)
 
     def _apply(self, plans: list[_Plan], out: SchedulerOutput) -> int:
         used = 0
@@ -217,16 +237,28 @@ class Scheduler:
         return used
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        """Bring swapped groups back, oldest first, and schedule them in this step."""
+        """Bring swapped groups back, oldest first, and schedule them in this step.
+
+        A group comes back once the pool (minus the watermark while others run) holds its swapped
+        blocks plus the blocks it computes this step, counted as ``_plan`` counts them. Since
+        nothing new is admitted while a group is swapped out, the running groups only finish or
+        shrink, so that moment comes. A group that does not fit even into an idle pool (a request
+        larger than the pool, which validation rejects) is recomputed instead of waiting forever.
+        """
         while self.swapped and budget > 0:
             group = self.swapped[0]
             if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
                 break
             ids = [s.seq_id for s in group.live_seqs]
+            _, need = self._plan(group, budget)
             resident = len(self.bm.host_blocks_of(ids))
             reserve = self.watermark if self.running else 0
-            if resident + len(ids) + reserve > self.bm.num_free_blocks:
-                break
+            if resident + need + reserve > self.bm.num_free_blocks:
+                if self.running:
+                    break
+                self.swapped.popleft()
+                self._requeue(group, out)
+                continue
             pairs = self.bm.swap_in(ids)
             assert pairs is not None, "planned swap-in failed"
             out.swaps.append((False, pairs))
@@ -236,7 +268,7 @@ class Scheduler:
             self.swapped.popleft()
             self.running.append(group)
             plans, need = self._plan(group, budget)
-            if need > self.bm.num_free_blocks:  # a long prefill chunk: it continues next step
+            if need > self.bm.num_free_blocks:  # a matched cached block was evicted: next step
                 continue
             budget -= self._apply(plans, out)
         return budget
@@ -258,12 +290,33 @@ class Scheduler:
                 self.swapped.appendleft(group)
                 out.swapped_out.append(group)
                 return
+        self._requeue(group, out)
+
+    def _requeue(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Recompute preemption: free every block of the group (device or host), keep its tokens,
+        and queue it first among the waiting groups."""
         for seq in group.live_seqs:
             self.bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
         self.waiting.appendleft(group)
         out.preempted.append(group)
+
+    def fail(self, group: SequenceGroup, out: SchedulerOutput, reason: str) -> None:
+        """Finish ``group`` with an error wherever it is queued: its blocks are freed, the other
+        requests go on, and ``out.failed`` tells the engine to report it."""
+        self.abort(group)
+        out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
+        group.error = f"request {group.request_id} {reason}"
+        out.failed.append(group)
+
+    def abort(self, group: SequenceGroup) -> None:
+        """Drop ``group`` from every queue and free its blocks (device and host)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            self.free_seq(seq)
 
     def finish_step(self, out: SchedulerOutput) -> None:
         """Advance the computed counters of what ran and make newly full blocks findable."""

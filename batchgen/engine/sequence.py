@@ -87,6 +87,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
     beam: Any = None  # BeamState for beam search requests
+    error: str | None = None  # set when the engine gave up on the request (it is then finished)
 
     @property
     def is_beam(self) -> bool:

@@ -13,8 +13,10 @@ Three threads, joined by bounded queues so memory stays bounded whatever the dat
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -27,19 +29,68 @@ from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine
 from batchgen.engine.sampler import splitmix64
 from batchgen.job.config import JobConfig, detect_format, input_files
+from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
 from batchgen.job.sink import ShardSink, atomic_write_bytes
-from batchgen.job.source import count_rows, iter_rows, schema_of
+from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
 from batchgen.outputs import RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
-MANIFEST = "_manifest.json"  # "_" prefix: dataset readers skip it
-REPORT = "_report.json"
 _END = object()
 
 
 class JobRefused(RuntimeError):
     """The output directory holds a run with a different config; the message says what changed."""
+
+
+class JobIncomplete(RuntimeError):
+    """The job ended without every input row in the output (the input shrank while it ran)."""
+
+
+class JobInterrupted(Exception):
+    """SIGTERM or SIGINT stopped the job; the finished rows were saved."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message or f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopSignals:
+    """SIGTERM (how Kubernetes stops a pod) and SIGINT (Ctrl-C) stop a job cleanly.
+
+    While the model loads, a signal raises ``JobInterrupted`` at once. Once rows flow
+    (``graceful = True``) it only sets ``received``: the runner stops admitting rows, writes every
+    finished one and the manifest, and raises ``JobInterrupted``. A second signal exits at once.
+    Only the main thread can take signals; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.graceful = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            os._exit(128 + signum)
+        self.received = signum
+        if not self.graceful:
+            raise JobInterrupted(signum)
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -63,6 +114,14 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
     return out
 
 
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """``"INDEX/COUNT"`` -> ``(INDEX, COUNT)``; None for an unsharded job (validated in the config)."""
+    if spec is None:
+        return None
+    index, count = (int(x) for x in spec.split("/"))
+    return index, count
+
+
 def stable_seed(seed: int, row_id: str) -> int:
     h = splitmix64(seed & (2**64 - 1))
     for byte in row_id.encode():
@@ -79,14 +138,24 @@ class JobRunner:
         self.openai_in = self.fmt == "openai"
         self.id_key = "custom_id" if self.openai_in else (cfg.input.id_column or "row_index")
         self.out_dir = Path(cfg.output.path)
+        self.shard = parse_shard(cfg.run.shard)
+        # a sharded job's workers share the directory: every file of theirs carries the index
+        tag = "" if self.shard is None else f"-{self.shard[0]:05d}-of-{self.shard[1]:05d}"
+        self.manifest_path = self.out_dir / f"_manifest{tag}.json"  # "_": dataset readers skip it
+        self.report_path = self.out_dir / f"_report{tag}.json"
+        self.shard_prefix = f"part{tag}"
 
     # -- resume / refuse -----------------------------------------------------------------------
-    def _prepare_output(self) -> None:
+    def _prepare_output(self) -> ShardSink:
+        """Refuse a directory holding another config's run (or clear it with ``--overwrite``),
+        remove what an earlier crash left half-written, and open the shard sink."""
         fingerprint = self.cfg.fingerprint()
-        manifest = self.out_dir / MANIFEST
-        if manifest.exists():
-            old = json.loads(manifest.read_text()).get("fingerprint", {})
-            if old != fingerprint:
+        if self.manifest_path.exists():
+            try:
+                old = json.loads(self.manifest_path.read_text()).get("fingerprint", {})
+            except ValueError:
+                old = {}  # an unreadable manifest: the shards are the record, rewrite it
+            if old and old != fingerprint:
                 changes = _changed(old, fingerprint)
                 if not self.overwrite:
                     raise JobRefused(
@@ -94,18 +163,38 @@ class JobRunner:
                         + "; ".join(changes)
                         + ". Use --overwrite to discard it, or another output.path."
                     )
-                shutil.rmtree(self.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = {"fingerprint": fingerprint, "config": self.cfg.source_file, "shards": {}}
-        self._write_manifest()
+                self._discard_output()
+        for path in (self.manifest_path, self.report_path):
+            tmp = path.with_name(f".{path.name}.tmp")
+            if tmp.exists():
+                tmp.unlink()
+        out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
+        sink = ShardSink(self.out_dir, out_fmt, self.id_key, prefix=self.shard_prefix)
+        self.manifest = {"fingerprint": fingerprint, "config": self.cfg.source_file, "shards": sink.shard_rows()}
+        return sink
+
+    def _discard_output(self) -> None:
+        """``--overwrite``: remove this job's (or this worker's) shards and bookkeeping; the lock
+        files stay, and so do other workers' files of a sharded job."""
+        for path in self.out_dir.iterdir():
+            name = path.name.lstrip(".")
+            if name.startswith("_lock"):
+                continue
+            mine = (
+                name.startswith(self.shard_prefix + "-")
+                or name.startswith(self.manifest_path.name)
+                or name.startswith(self.report_path.name)
+            )
+            if self.shard is None or mine:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _write_manifest(self, sink: ShardSink | None = None) -> None:
         """Record the config's fingerprint and every shard on disk with its row count. The shards
-        themselves stay the source of truth: a crash between a shard's rename and this write loses
-        nothing, the next run lists that shard here too."""
+        themselves stay the source of truth: a crash (or a full disk) between a shard's rename and
+        this write loses nothing, the next run lists that shard here too."""
         if sink is not None:
             self.manifest["shards"] = sink.shard_rows()
-        atomic_write_bytes(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
+        atomic_write_bytes(self.manifest_path, json.dumps(self.manifest, indent=2, default=str).encode())
 
     # -- request building (reader thread) ------------------------------------------------------
     def _build(self, tokenizer, row: dict[str, Any], rid: str) -> Request:
@@ -166,17 +255,24 @@ class JobRunner:
             req.error = str(e)
         return req
 
-    def _reader(self, q: queue.Queue, done: set[str], counts: dict[str, int], stop: threading.Event) -> None:
+    def _reader(
+        self,
+        q: queue.Queue,
+        done: set[str],
+        counts: dict[str, int],
+        stop: threading.Event,
+        state: dict[str, tuple[int, int]],
+    ) -> None:
         from batchgen.model.loader import load_tokenizer
 
         tokenizer = load_tokenizer(self.cfg.model)
-        shard = self.cfg.run.shard
-        sh_i, sh_n = (int(x) for x in shard.split("/")) if shard else (0, 1)
+        sh_i, sh_n = self.shard or (0, 1)
         seen: set[str] = set()
         position = 0
         limit = self.cfg.input.limit
         try:
             for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
+                check_unchanged(state)  # rows read from a file being rewritten never reach the output
                 for row in batch:
                     pos = position
                     position += 1
@@ -184,13 +280,13 @@ class JobRunner:
                         raise StopIteration
                     if pos % sh_n != sh_i:
                         continue
-                    if self.openai_in:
-                        rid = str(row.get("custom_id", pos))
-                    elif self.cfg.input.id_column:
-                        rid = str(row.get(self.cfg.input.id_column))
-                    else:
-                        row["row_index"] = pos
-                        rid = str(pos)
+                    counts["rows_read"] += 1
+                    if not self.openai_in:
+                        row["row_index"] = pos  # every output row names its input position
+                    key = "custom_id" if self.openai_in else self.cfg.input.id_column
+                    rid = str(pos) if key is None else row.get(key)
+                    # a row without an id (a malformed line) is known by its position
+                    rid = f"#{pos}" if rid is None else str(rid)
                     if rid in done:
                         counts["skipped_done"] += 1
                         continue
@@ -206,6 +302,7 @@ class JobRunner:
                             continue
                     if stop.is_set():
                         return
+            check_unchanged(state)
         except StopIteration:
             pass
         except Exception as e:  # noqa: BLE001 - the main thread reports it
@@ -315,30 +412,33 @@ class JobRunner:
 
     # -- the job -------------------------------------------------------------------------------
     def run(self) -> JobReport:
-        self._prepare_output()
-        out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
-        sink = ShardSink(self.out_dir, out_fmt, self.id_key)
+        """Run the job to the end. Raises ``OutputLocked`` if another job writes the directory,
+        ``JobRefused`` for another config's output, ``JobInterrupted`` on SIGTERM / SIGINT (after
+        saving the finished rows), ``OutputWriteError`` when the output cannot be written,
+        ``InputChanged`` / ``JobIncomplete`` when the input changed under it."""
+        with OutputLock(self.out_dir, self.shard), StopSignals() as signals:
+            return self._run(signals)
+
+    def _run(self, signals: StopSignals) -> JobReport:
+        sink = self._prepare_output()
         done = sink.done_ids()
         t_start = time.perf_counter()
+        state = input_state(self.files)
+        total = self._count_input_rows()
         engine = LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
+        self._write_manifest()  # only once the model loaded: a failed start leaves no manifest
         cap = self.cfg.run.max_rows_in_flight or 4 * engine.cfg.max_num_seqs
-        counts = {"skipped_done": 0, "duplicate_ids": 0}
+        counts = {"skipped_done": 0, "duplicate_ids": 0, "rows_read": 0}
         req_q: queue.Queue = queue.Queue(maxsize=max(2 * cap, 64))
         out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + 64)
         stop = threading.Event()
         writer_errors: list[BaseException] = []
         schema = None if self.openai_in else schema_of(self.files, self.fmt)
-        reader = threading.Thread(target=self._reader, args=(req_q, done, counts, stop), daemon=True)
+        reader = threading.Thread(target=self._reader, args=(req_q, done, counts, stop, state), daemon=True)
         writer = threading.Thread(target=self._writer, args=(sink, out_q, schema, writer_errors), daemon=True)
         reader.start()
         writer.start()
 
-        total = count_rows(self.files, self.fmt)
-        if total is not None and self.cfg.input.limit is not None:
-            total = min(total, self.cfg.input.limit)
-        if total is not None and self.cfg.run.shard:
-            i, n = (int(x) for x in self.cfg.run.shard.split("/"))
-            total = len(range(i, total, n))
         report = JobReport(rows_total=total, rows_previously_done=len(done))
         bar = tqdm(
             total=total,
@@ -351,8 +451,9 @@ class JobRunner:
         in_flight: dict[str, Request] = {}
         reading = True
         t0 = time.perf_counter()
+        signals.graceful = True  # from here on a signal stops the loop and the rows are saved
         try:
-            while True:
+            while signals.received is None:
                 while reading and len(in_flight) < cap:
                     try:
                         item = req_q.get(block=not in_flight and not engine.has_unfinished(), timeout=0.5)
@@ -377,9 +478,13 @@ class JobRunner:
                 if engine.has_unfinished():
                     for out in engine.step():
                         req = in_flight.pop(out.request_id)
-                        report.rows_ok += 1
-                        report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        self._put(out_q, self._row(req, out, None), writer_errors)
+                        if out.error is not None:  # the engine gave up on this request alone
+                            report.rows_failed += 1
+                            self._put(out_q, self._row(req, None, out.error), writer_errors)
+                        else:
+                            report.rows_ok += 1
+                            report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            self._put(out_q, self._row(req, out, None), writer_errors)
                         bar.update(1)
                     elapsed = time.perf_counter() - t0
                     if elapsed > 0:
@@ -397,12 +502,34 @@ class JobRunner:
             writer.join()
         if writer_errors:
             raise writer_errors[0]
+        if signals.received is not None:
+            rows, _ = sink.totals()
+            raise JobInterrupted(
+                signals.received,
+                f"interrupted by {signal.Signals(signals.received).name}: {rows} rows saved in {self.out_dir} "
+                f"({len(in_flight)} unfinished dropped); rerun the same command to resume",
+            )
         report.wall_s = time.perf_counter() - t_start
         report.skipped_duplicate_ids = counts["duplicate_ids"]
         report.fill_engine_stats(engine.stats())
         report.rows_in_output, report.failed_in_output = sink.totals()
-        atomic_write_bytes(self.out_dir / REPORT, json.dumps(report.to_dict(), indent=2).encode())
+        atomic_write_bytes(self.report_path, json.dumps(report.to_dict(), indent=2).encode())
+        if total is not None and counts["rows_read"] != total:
+            raise JobIncomplete(
+                f"the input had {total} rows when the job started but {counts['rows_read']} were read; "
+                f"{report.rows_in_output} rows are in {self.out_dir}. Rerun once the input is stable"
+            )
         return report
+
+    def _count_input_rows(self) -> int | None:
+        """Rows this job (or worker) should produce: the input's, after ``limit`` and ``shard``."""
+        total = count_rows(self.files, self.fmt)
+        if total is not None and self.cfg.input.limit is not None:
+            total = min(total, self.cfg.input.limit)
+        if total is not None and self.shard is not None:
+            i, n = self.shard
+            total = len(range(i, total, n))
+        return total
 
     @staticmethod
     def _put(q: queue.Queue, item: Any, errors: list[BaseException], force: bool = False) -> None:

@@ -29,17 +29,42 @@ OUTPUT_FIELDS = [
     pa.field("num_generated_tokens", pa.int64()),
     pa.field("error", pa.string()),
 ]
-_SHARD = re.compile(r"^part-(\d+)\.(parquet|jsonl)$")
+
+
+class OutputWriteError(RuntimeError):
+    """Writing the job's output failed (disk full, read-only, permissions); names the path."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(f"cannot write {path}: {error.strerror or error}")
+        self.path = path
+        self.errno = error.errno
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``path`` whole or not at all: a temp file, fsync, rename. A failure (a full disk)
+    removes the temp file and raises ``OutputWriteError``; ``path`` keeps its old content."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        _discard(tmp)
+        raise OutputWriteError(path, e) from e
     _fsync_dir(path.parent)
+
+
+def _discard(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -56,23 +81,30 @@ def _fsync_dir(path: Path) -> None:
 
 
 class ShardSink:
-    """Writes ``part-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards."""
+    """Writes ``PREFIX-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards.
 
-    def __init__(self, out_dir: str | Path, fmt: str, id_key: str) -> None:
+    ``prefix`` is ``part`` for a whole job and ``part-IIIII-of-NNNNN`` for a worker of a sharded
+    one, so that the workers of one job never pick the same file name. Each sink reads and writes
+    only its own shards. Temp files a crash or a full disk left behind are removed at start.
+    """
+
+    def __init__(self, out_dir: str | Path, fmt: str, id_key: str, prefix: str = "part") -> None:
         self.dir = Path(out_dir)
         self.fmt = fmt
         self.id_key = id_key
+        self.prefix = prefix
+        self._name = re.compile(rf"^{re.escape(prefix)}-(\d+)\.(parquet|jsonl)$")
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".part-*.tmp"):
-            stale.unlink()
+        for stale in self.dir.glob(f".{prefix}-*.tmp"):
+            _discard(stale)
         self.next_index = (
-            max((int(m.group(1)) for m in map(_SHARD.match, os.listdir(self.dir)) if m), default=-1) + 1
+            max((int(m.group(1)) for m in map(self._name.match, os.listdir(self.dir)) if m), default=-1) + 1
         )
         self.schema: pa.Schema | None = None
         self._rows_by_shard: dict[str, int] | None = None
 
     def shards(self) -> list[Path]:
-        return sorted(p for p in self.dir.iterdir() if _SHARD.match(p.name))
+        return sorted(p for p in self.dir.iterdir() if self._name.match(p.name))
 
     def shard_rows(self) -> dict[str, int]:
         """Every shard on disk and its row count (read once, then kept up to date by ``write``)."""
@@ -91,11 +123,16 @@ class ShardSink:
         return out
 
     def done_ids(self) -> set[str]:
+        """Ids of the rows in the shards: ``str(id)``, or ``#POSITION`` for a row without an id."""
         done: set[str] = set()
         for shard in self.shards():
             if shard.suffix == ".parquet":
-                col = pq.read_table(shard, columns=[self.id_key]).column(0).to_pylist()
-                done.update(str(v) for v in col)
+                names = pq.ParquetFile(shard).schema_arrow.names
+                cols = [self.id_key] + (["row_index"] if "row_index" in names and self.id_key != "row_index" else [])
+                table = pq.read_table(shard, columns=cols)
+                ids = table.column(0).to_pylist()
+                positions = table.column(1).to_pylist() if len(cols) > 1 else [None] * len(ids)
+                done.update(str(v) if v is not None else f"#{pos}" for v, pos in zip(ids, positions, strict=True))
             else:
                 with open(shard) as f:
                     done.update(str(json.loads(line)["custom_id"]) for line in f if line.strip())
@@ -118,19 +155,24 @@ class ShardSink:
         return rows, failed
 
     def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> Path:
-        path = self.dir / f"part-{self.next_index:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
-        self.next_index += 1
+        """Write one shard atomically; on failure nothing of it stays (``OutputWriteError``)."""
+        path = self.dir / f"{self.prefix}-{self.next_index:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
         if self.fmt == "parquet":
             table = self._table(rows, input_schema)
-            tmp = path.with_name(f".{path.name}.tmp")
-            pq.write_table(table, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            tmp = _tmp_path(path)
+            try:
+                pq.write_table(table, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                _discard(tmp)
+                raise OutputWriteError(path, e) from e
             _fsync_dir(self.dir)
         else:
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
             atomic_write_bytes(path, data)
+        self.next_index += 1
         if self._rows_by_shard is not None:
             self._rows_by_shard[path.name] = len(rows)
         return path

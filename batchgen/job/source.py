@@ -5,6 +5,7 @@ saved with ``save_to_disk``, and OpenAI batch-request JSONL (``custom_id`` + ``b
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,35 @@ def iter_rows(files: list[str], fmt: str, batch_rows: int) -> Iterator[list[dict
         yield from _iter_jsonl(files, batch_rows)
     else:
         raise ValueError(f"unknown input format {fmt!r}")
+
+
+class InputChanged(RuntimeError):
+    """An input file changed (or vanished) while the job was reading it."""
+
+
+def input_state(files: list[str]) -> dict[str, tuple[int, int]]:
+    """Size and modification time of every file the input spans (directories walked)."""
+    paths: list[Path] = []
+    for f in files:
+        p = Path(f)
+        paths.extend(sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p])
+    out = {}
+    for p in paths:
+        st = p.stat()
+        out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def check_unchanged(state: dict[str, tuple[int, int]]) -> None:
+    """Raise ``InputChanged`` if any file of ``state`` differs from when it was taken: rows read
+    from a file being rewritten or truncated would be wrong or missing in the output."""
+    for path, (size, mtime) in state.items():
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise InputChanged(f"input file {path} disappeared while the job was reading it") from None
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise InputChanged(
+                f"input file {path} changed while the job was reading it (size {size} -> {st.st_size} "
+                "bytes); the rows written so far are kept, rerun once the input is stable"
+            )

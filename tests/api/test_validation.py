@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +85,41 @@ def test_a_host_pool_that_cannot_be_allocated_names_the_setting(llama_dir):
         LLM(llama_dir, preemption_mode="swap", swap_space_gb=1e9)
 
 
-def test_a_request_that_can_never_fit_raises_instead_of_spinning(llama_dir, monkeypatch):
-    """Validation keeps such requests out; if one gets in anyway, the engine names it rather than
-    looping forever on empty steps."""
+def test_a_request_that_slips_past_validation_fails_alone_and_the_engine_stays_usable(llama_dir, monkeypatch):
+    """Validation keeps requests that cannot fit out; if one gets in anyway, it alone gets an error
+    (no RuntimeError mid-run, no endless empty steps), the rest of the call completes, and later
+    calls work."""
     llm = LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=4, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    alone = llm.generate([[7, 8, 9]], params)[0].outputs[0].token_ids
     monkeypatch.setattr(llm.engine, "validate", lambda ids, params: None)
-    with pytest.raises(RuntimeError, match="request 0 cannot be scheduled"):
-        llm.generate([[5] * 60], SamplingParams(max_tokens=2))
+    big, small = llm.generate([[5] * 60, [7, 8, 9]], params)
+    assert "cannot be scheduled in a pool of 4 KV blocks" in big.error and not big.outputs
+    assert small.error is None and small.outputs[0].token_ids == alone
+    monkeypatch.undo()
+    assert llm.generate([[7, 8, 9]], params)[0].outputs[0].token_ids == alone
+    assert llm.engine.bm.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=4, max_tokens=18, ignore_eos=True),
+    SamplingParams(n=3, max_tokens=9, ignore_eos=True),
+    BeamSearchParams(beam_width=3, max_tokens=7, ignore_eos=True),
+])
+@pytest.mark.parametrize("prompt_len", [16, 21])
+def test_the_pool_a_request_needs_alone_is_exact(llama_dir, params, prompt_len):
+    """A pool of exactly the need stated by validation runs the request (n samples reach it); one
+    block less is refused before anything runs, with a message naming the need and the pool."""
+    probe = LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=256, block_size=8)
+    need = probe.engine.blocks_needed_alone(prompt_len, params)
+    prompt = [(5 * i) % 300 + 3 for i in range(prompt_len)]
+    llm = LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=need, block_size=8, debug_checks=True)
+    out = llm.generate([prompt], params)[0]
+    assert out.error is None and len(out.outputs) == params.group_size
+    assert llm.stats()["num_preemptions"] == 0
+    # samples each hold their own tail at the end; beams may still share part of theirs
+    peak = llm.stats()["peak_blocks_used"]
+    assert peak == need if isinstance(params, SamplingParams) else peak <= need
+    small = LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=need - 1, block_size=8)
+    with pytest.raises(ValueError, match=rf"prompt 0: request needs {need} KV blocks .* the pool has {need - 1}"):
+        small.generate([prompt], params)

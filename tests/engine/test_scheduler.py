@@ -164,3 +164,43 @@ def test_recomputed_group_shares_its_prompt_even_after_eviction():
     assert tables[0][:4] == tables[1][:4] == tables[2][:4]
     assert bm.num_used_blocks == 4 + 3 * 1  # the shared prompt, then one own block each
     bm.check_invariants()
+
+
+def _cache_prompt(bm: BlockManager, tokens: list[int]) -> None:
+    """Leave ``tokens``' full blocks in the pool as free cached blocks (as a preempted group does)."""
+    bm.append_slots(999, 0, len(tokens))
+    bm.cache_full_blocks(999, tokens, len(tokens))
+    bm.free(999)
+
+
+def test_siblings_matching_the_same_free_cached_blocks_count_them_once():
+    """After a recompute preemption all n samples match the same free prompt blocks; admission
+    takes them once (2 blocks), plus one block of its own per sample: 6 of a 6-block pool."""
+    prompt = list(range(9))
+    bm = BlockManager(6, BS)
+    _cache_prompt(bm, prompt[:8])
+    g = make_group("0", prompt, n=4)
+    g.seqs[0].token_ids += [100, 101]
+    for i in range(1, 4):
+        g.seqs.append(Sequence(g, i, prompt + [100 + 2 * i, 101 + 2 * i], len(prompt), seed=i))
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(g)
+    out = sched.schedule()
+    assert [(s.seq.index, s.start, s.num_new_tokens) for s in out.scheduled] == [(i, 8, 3) for i in range(4)]
+    assert bm.num_free_blocks == 0 and not out.preempted
+    assert [bm.table(s.seq_id)[:2] for s in g.seqs] == [bm.table(g.seqs[0].seq_id)[:2]] * 4
+    bm.check_invariants()
+
+
+def test_a_shared_block_written_by_all_its_holders_is_copied_for_all_but_the_last():
+    bm = BlockManager(8, BS)
+    bm.append_slots(1, 0, 6)  # blocks [0, 1]; block 1 holds 2 of 4 slots
+    for child in (2, 3, 4):
+        bm.fork(1, child)
+    assert bm.blocks_needed_many([(s, 6, 1) for s in (1, 2, 3, 4)]) == 3
+    assert bm.blocks_needed_many([(s, 6, 1) for s in (2, 3)]) == 2  # two holders stay on it
+    free = bm.num_free_blocks
+    copies = [c for s in (1, 2, 3, 4) for c in bm.append_slots(s, 6, 1)]
+    assert free - bm.num_free_blocks == len(copies) == 3
+    assert len({bm.table(s)[1] for s in (1, 2, 3, 4)}) == 4
+    bm.check_invariants()
