@@ -63,18 +63,12 @@ class LLM:
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
             try:
-                if not isinstance(p, (SamplingParams, BeamSearchParams)):
-                    raise ValueError(
-                        f"params must be SamplingParams or BeamSearchParams, got {type(p).__name__}"
-                    )
-                _, ids = engine.tokenize(prompt)
-                engine.validate(ids, p)
+                checked.append((engine.prepare(prompt, p), p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            checked.append((prompt, p))
         ids = [str(next(self._ids)) for _ in checked]
-        for rid, (prompt, p) in zip(ids, checked, strict=True):
-            engine.add_request(rid, prompt, p)
+        for rid, (prepared, p) in zip(ids, checked, strict=True):
+            engine.add_request(rid, prepared, p)
 
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(ids) >= 32

@@ -62,7 +62,7 @@ def main() -> None:
         "  attention (KV write, block gather, scores, softmax)": s["attention_s"],
         "LM head": s["lm_head_s"],
         "sampling (torch)": s["sampler_s"],
-        "post-processing (append, stop checks, forks)": s["sample_s"] - s["sampler_s"],
+        "post-processing (append, stop checks, forks)": s["postprocess_s"] - s["sampler_s"],
         "scheduler + block manager": s["schedule_s"],
         "input building + block copies": s["runner_prepare_s"],
         "output assembly / detokenization": s["output_s"],

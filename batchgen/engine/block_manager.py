@@ -29,15 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from batchgen.step import CopyPair
 from batchgen.utils import cdiv
 
-
-class CopyPair(NamedTuple):
-    """Copy physical block ``src`` into ``dst`` before this step's forward pass (copy-on-write;
-    for swaps, between the device pool and the host pool)."""
-
-    src: int
-    dst: int
+__all__ = ["Block", "BlockManager", "BlockPool", "CopyPair", "FreeBlockQueue", "PrefixMatch"]
 
 
 class Block:

@@ -8,9 +8,9 @@ sequences -> return the requests that finished.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,14 +19,22 @@ from batchgen.config import EngineConfig
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sampler import SampleRow, derive_seed, sample
-from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.utils import cdiv
+
+
+class Prompt(NamedTuple):
+    """A tokenized, validated prompt: its text (None when given as token ids) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
 
 
 def _eos_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
@@ -64,9 +72,8 @@ class LLMEngine:
             self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.runner.preemption_mode
         )
         self._rng = np.random.default_rng(cfg.seed)
-        self._arrivals = itertools.count()
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
-        self._stats = defaultdict(float)
+        self._stats = EngineStats(cfg.block_size, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
 
     # -- requests ------------------------------------------------------------------------------
@@ -120,30 +127,44 @@ class LLMEngine:
         shared = num_prompt_tokens // bs
         return shared + params.group_size * (cdiv(last, bs) - shared)
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
-    ) -> None:
-        """Validate and queue one request. Raises ValueError (and queues nothing) on bad input."""
+    def prepare(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> Prompt:
+        """Tokenize and validate one request. Raises ValueError (naming the problem) on bad input."""
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        return Prompt(text, ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | Prompt,
+        params: SamplingParams | BeamSearchParams,
+    ) -> None:
+        """Queue one request (``prepare``d already, or prepared here). Raises ValueError, queuing
+        nothing, on bad input."""
+        if not isinstance(prompt, Prompt):
+            prompt = self.prepare(prompt, params)
+        ids = prompt.token_ids
         group = SequenceGroup(
             request_id=request_id,
             params=params,
-            prompt=text,
+            prompt=prompt.text,
             prompt_token_ids=list(ids),
-            arrival=next(self._arrivals),
             cache_key=None if self.cfg.enable_prefix_caching else ("req", request_id),
         )
         seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
         base = seed if seed is not None else int(self._rng.integers(0, 2**63))
         seq = Sequence(
-            group=group, index=0, token_ids=list(ids), num_prompt_tokens=len(ids), seed=derive_seed(base, 0)
+            group=group,
+            index=0,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            seed=derive_seed(base, 0),
+            base_seed=base,
         )
-        seq.base_seed = base  # type: ignore[attr-defined]
         if isinstance(params, SamplingParams):
             if params.logprobs is not None:
                 seq.logprobs = []
@@ -158,51 +179,59 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One forward pass: schedule, run the model, advance the computed counters, sample and
+        step beams, collect the requests that finished."""
         t0 = time.perf_counter()
+        with self._stats.timed("schedule_s"):
+            out = self._schedule()
+            batch = out.step_batch(self.bm.table)
+        if out.is_empty:  # block moves only (a swap-out, say)
+            self.runner.apply_block_ops(batch)
+        else:
+            with self._stats.timed("model_s"):
+                logits = self.runner.execute(batch)
+            with self._stats.timed("schedule_s"):
+                self.scheduler.finish_step(out)
+                self._stats.note_kv_usage(self._live_seqs(), self.bm)
+            with self._stats.timed("postprocess_s"):
+                self._advance([s.seq for s in out.scheduled if s.samples], logits)
+            self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0)
+        if self.cfg.debug_checks:
+            self._check_invariants()
+        with self._stats.timed("output_s"):
+            return self._collect(out.failed)
+
+    def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        if out.is_empty and not self.scheduler.running and (self.scheduler.waiting or self.scheduler.swapped):
+        sch = self.scheduler
+        if out.is_empty and not sch.running and (sch.waiting or sch.swapped):
             # Nothing can run and nothing running will free blocks: give up on the head request
             # alone (validation makes this unreachable for requests that fit the pool).
-            group = (self.scheduler.swapped or self.scheduler.waiting)[0]
-            self.scheduler.fail(group, out, f"cannot be scheduled in a pool of {self.bm.num_blocks} KV blocks")
-        for group in out.preempted + out.failed:
+            group = (sch.swapped or sch.waiting)[0]
+            sch.fail(group, out, f"cannot be scheduled in a pool of {self.bm.num_blocks} KV blocks")
+        for group in out.preempted + out.failed:  # beam rows computed before a recompute are void
             for seq in group.seqs:
                 self._pending.pop(seq.seq_id, None)
-        if out.is_empty:
-            self.runner.apply_block_ops(out.swaps, out.fresh_blocks, out.copies)
-            return self._collect(out.failed)
-        t1 = time.perf_counter()
-        logits = self.runner.execute(out.scheduled, out.copies, self.bm, out.fresh_blocks, out.swaps)
-        t2 = time.perf_counter()
-        self.scheduler.finish_step(out)
-        self._note_kv_usage()
-        t_book = time.perf_counter() - t2
-        samplers = [s.seq for s in out.scheduled if s.samples]
+        return out
+
+    def _advance(self, samplers: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample the sampling requests' rows and step the beam groups (``logits``: one row per
+        sequence of ``samplers``, in order)."""
         beam_rows = [i for i, seq in enumerate(samplers) if seq.group.is_beam]
         sample_rows = [i for i, seq in enumerate(samplers) if not seq.group.is_beam]
         if sample_rows:
             self._sample([samplers[i] for i in sample_rows], logits[sample_rows] if beam_rows else logits)
         if beam_rows:
             self._beam([samplers[i] for i in beam_rows], logits[beam_rows])
-        t3 = time.perf_counter()
-        st = self._stats
-        st["steps"] += 1
-        st["schedule_s"] += t1 - t0 + t_book
-        st["model_s"] += t2 - t1
-        st["sample_s"] += t3 - t2 - t_book
-        # a step with any prefill chunk counts as prefill time, a pure decode step as decode time
-        st["prefill_s" if any(s.num_new_tokens > 1 for s in out.scheduled) else "decode_s"] += t3 - t0
-        st["prefill_tokens"] += sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
-        st["decode_tokens"] += sum(1 for s in out.scheduled if s.num_new_tokens == 1)
-        if self.cfg.debug_checks:
-            self.bm.check_invariants()
-            for group in self.scheduler.running:
-                for seq in group.seqs:
-                    seq.check()
-        t4 = time.perf_counter()
-        done = self._collect(out.failed)
-        st["output_s"] += time.perf_counter() - t4
-        return done
+
+    def _live_seqs(self) -> list[Sequence]:
+        return [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
+
+    def _check_invariants(self) -> None:
+        self.bm.check_invariants()
+        for group in self.scheduler.running:
+            for seq in group.seqs:
+                seq.check()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         rows: list[SampleRow] = []
@@ -236,9 +265,8 @@ class LLMEngine:
                 row_index.append(i)
         if len(targets) != len(seqs):
             logits = logits[torch.tensor(row_index, device=logits.device)]
-        t0 = time.perf_counter()
-        result = sample(logits, rows)
-        self._stats["sampler_s"] += time.perf_counter() - t0
+        with self._stats.timed("sampler_s"):
+            result = sample(logits, rows)
         for seq, tok, lp, top in zip(
             targets, result.tokens, result.logprobs, result.top_logprobs, strict=True
         ):
@@ -405,43 +433,9 @@ class LLMEngine:
         )
 
     # -- statistics ----------------------------------------------------------------------------
-    def _note_kv_usage(self) -> None:
-        st = self._stats
-        live = [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
-        logical = sum(s.num_computed_tokens for s in live)
-        physical = self.bm.num_used_blocks * self.block_size
-        if logical > st["peak_logical_kv_tokens"]:
-            st["peak_logical_kv_tokens"] = logical
-            st["contiguous_reserved_at_peak"] = sum(
-                s.num_prompt_tokens + min(s.group.params.max_tokens or self.max_model_len, self.max_model_len)
-                for s in live
-            )
-            st["max_len_reserved_at_peak"] = len(live) * self.max_model_len
-        if physical > st["peak_physical_kv_slots"]:
-            st["peak_physical_kv_slots"] = physical
-            # Blocks before a sequence's last written one are full; only each sequence's tail
-            # (the block of its next token and any after it) can have unused slots. A tail block
-            # also held by a sequence that has filled it (more holders than tail holders) is full.
-            bs = self.block_size
-            fill: dict[int, int] = {}
-            tail_holders: dict[int, int] = {}
-            for s in live:
-                table = self.bm.table(s.seq_id)
-                c = s.num_computed_tokens
-                for i in range(c // bs, len(table)):
-                    b = table[i]
-                    fill[b] = max(fill.get(b, 0), c - i * bs)
-                    tail_holders[b] = tail_holders.get(b, 0) + 1
-            blocks = self.bm.pool.blocks
-            st["unused_slots_in_held_blocks_at_peak"] = sum(
-                bs - max(f, 0) for b, f in fill.items() if blocks[b].ref_count == tail_holders[b]
-            )
-            # blocks the same sequences would hold without sharing (each its own copy of everything)
-            st["unshared_blocks_at_peak"] = sum(-(-s.num_computed_tokens // self.block_size) for s in live)
-
-    def stats(self) -> dict[str, float | int]:
-        st = dict(self._stats)
-        out: dict[str, float | int] = {
+    def stats(self) -> dict[str, float | int | str]:
+        tm = self.runner.times
+        return {
             "num_blocks": self.bm.num_blocks,
             "block_size": self.block_size,
             "peak_blocks_used": self.bm.peak_used_blocks,
@@ -452,29 +446,10 @@ class LLMEngine:
             "swapped_blocks": self.scheduler.num_swapped_blocks,
             "linear_backend": "onednn" if self.runner.model.lm_head.packed is not None else "torch",
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
-            "peak_logical_kv_tokens": int(st.get("peak_logical_kv_tokens", 0)),
-            "peak_physical_kv_slots": int(st.get("peak_physical_kv_slots", 0)),
-            "unused_slots_in_held_blocks_at_peak": int(st.get("unused_slots_in_held_blocks_at_peak", 0)),
-            "contiguous_reserved_slots_at_peak": int(st.get("contiguous_reserved_at_peak", 0)),
-            "max_len_reserved_slots_at_peak": int(st.get("max_len_reserved_at_peak", 0)),
-            "steps": int(st.get("steps", 0)),
-            "prefill_tokens": int(st.get("prefill_tokens", 0)),
-            "decode_tokens": int(st.get("decode_tokens", 0)),
-            "schedule_s": st.get("schedule_s", 0.0),
-            "model_s": st.get("model_s", 0.0),
-            "sample_s": st.get("sample_s", 0.0),
-            "sampler_s": st.get("sampler_s", 0.0),
-            "output_s": st.get("output_s", 0.0),
-            "runner_prepare_s": self.runner.times.prepare + self.runner.times.copy,
-            "forward_s": self.runner.times.forward,
-            "attention_s": self.runner.times.attention,
-            "lm_head_s": self.runner.times.lm_head,
-            "prefill_s": st.get("prefill_s", 0.0),
-            "decode_s": st.get("decode_s", 0.0),
+            **self._stats.kv_figures(),
+            **self._stats.step_figures(),
+            "runner_prepare_s": tm.prepare + tm.copy,
+            "forward_s": tm.forward,
+            "attention_s": tm.attention,
+            "lm_head_s": tm.lm_head,
         }
-        logical = out["peak_logical_kv_tokens"]
-        out["physical_over_logical"] = out["peak_physical_kv_slots"] / logical if logical else 0.0
-        unshared = st.get("unshared_blocks_at_peak", 0)
-        used = out["peak_physical_kv_slots"] // self.block_size
-        out["kv_saved_by_sharing"] = 1 - used / unshared if unshared else 0.0
-        return out

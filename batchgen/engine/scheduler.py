@@ -29,11 +29,13 @@ its need is at most ``LLMEngine.blocks_needed_alone``, which validation holds to
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from batchgen.engine.block_manager import BlockManager, CopyPair, PrefixMatch
+from batchgen.engine.block_manager import BlockManager, PrefixMatch
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from batchgen.step import Chunk, CopyPair, StepBatch, Swap
 from batchgen.utils import cdiv
 
 
@@ -54,16 +56,19 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)  # by recompute
     swapped_out: list[SequenceGroup] = field(default_factory=list)
     failed: list[SequenceGroup] = field(default_factory=list)  # could not run at all; see ``group.error``
-    # (to_host, pairs) in the order decided: (device, host) pairs out, (host, device) pairs in
-    swaps: list[tuple[bool, list[CopyPair]]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    swaps: list[Swap] = field(default_factory=list)  # in the order decided
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def step_batch(self, table_of: Callable[[int], list[int]]) -> StepBatch:
+        """The runner's view of this step: token ids, positions and block tables, no sequences."""
+        chunks = [
+            Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, table_of(s.seq.seq_id), s.samples)
+            for s in self.scheduled
+        ]
+        return StepBatch(chunks, self.copies, self.fresh_blocks, self.swaps)
 
 
 class _Plan(NamedTuple):
@@ -261,7 +266,7 @@ class Scheduler:
                 continue
             pairs = self.bm.swap_in(ids)
             assert pairs is not None, "planned swap-in failed"
-            out.swaps.append((False, pairs))
+            out.swaps.append(Swap(False, pairs))
             self.num_swapped_blocks += len(pairs)
             for seq in group.live_seqs:
                 seq.status = SeqStatus.RUNNING
@@ -282,7 +287,7 @@ class Scheduler:
         if self.preemption_mode == "swap":
             pairs = self.bm.swap_out([s.seq_id for s in group.live_seqs])
             if pairs is not None:
-                out.swaps.append((True, pairs))
+                out.swaps.append(Swap(True, pairs))
                 self.num_swap_outs += 1
                 self.num_swapped_blocks += len(pairs)
                 for seq in group.live_seqs:

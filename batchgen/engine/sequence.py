@@ -82,7 +82,6 @@ class SequenceGroup:
     params: SamplingParams | BeamSearchParams
     prompt: str | None
     prompt_token_ids: list[int]
-    arrival: int
     cache_key: object = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None

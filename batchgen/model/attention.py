@@ -40,7 +40,7 @@ class DecodeGroups:
 
     row_index: torch.Tensor  # [G, R] long decode rows, padded with 0
     row_valid: torch.Tensor  # [G, R] bool
-    block_tables: torch.Tensor  # [G, U] long, padded with block 0
+    block_tables: torch.Tensor  # [G, U] long, padded with the null block
     mask: torch.Tensor  # [G, R, U * block_size] bool: True = attend
     context_lens: torch.Tensor  # [G, R] long (for sliding windows; groups of one row only)
 

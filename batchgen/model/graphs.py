@@ -8,7 +8,7 @@ flight. On the CPU the arrays are used in place.
 ``DecodeGraphs`` serves decode-only steps (one new token per sequence, the common step of a long
 generation): the forward pass and LM head are captured once per bucketed batch size over static
 input buffers, and a step copies its inputs into those buffers (padding rows: slot -1, which the KV
-write skips; context 1 over block 0, which is kept zeroed) and replays the graph of the smallest
+write skips; context 1 over the runner's null block, which is kept zeroed) and replays the graph of the smallest
 bucket that holds it. Launch overhead disappears, which is what dominates small decode batches on
 a GPU. It needs the per-token batch layout of the Triton backend. With ``capture=False`` the same
 static-buffer path runs eagerly: that is how its padding and bucketing are tested on a CPU.
@@ -141,9 +141,9 @@ class DecodeGraphs:
         host[o[2] : o[2] + n] = slots
         host[o[2] + n : o[3]] = -1  # padding rows write nothing
         host[o[3] : o[3] + n] = context
-        host[o[3] + n : o[4]] = 1  # and attend to one zero slot of block 0
+        host[o[3] + n : o[4]] = 1  # and attend to one zero slot of the null block
         bt = host[o[4] :].reshape(b, w)
-        bt[:] = 0
+        bt[:] = self.runner.null_block
         bt[:n, : tables.shape[1]] = tables
         self._flat.copy_(self._host, non_blocking=True)
 

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.engine.block_manager import BlockManager, CopyPair
-from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.model.attention import (
     AttentionMetadata,
     DecodeGroups,
@@ -28,6 +26,7 @@ from batchgen.model.attention import (
 from batchgen.model.graphs import DecodeGraphs, HostStaging
 from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
+from batchgen.step import CopyPair, StepBatch
 from kernels.swap import swap_blocks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -83,13 +82,16 @@ class ModelRunner:
         self.max_group_rows = 8
         self.block_size = cfg.block_size
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_memory(max_model_len)
+        # One block past the pool, never handed out and kept zeroed: padding entries of block
+        # tables and the padding rows of CUDA-graph steps point at it (vLLM's null block).
+        self.null_block = self.num_blocks
         m = self.model
         self.kv_cache = torch.empty(
-            (m.num_layers, 2, m.num_kv_heads, self.num_blocks, self.block_size, m.head_dim),
+            (m.num_layers, 2, m.num_kv_heads, self.num_blocks + 1, self.block_size, m.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
-        self.zero_blocks([0])  # padding entries of block tables point at block 0
+        self.zero_blocks([self.null_block])
         mode = cfg.preemption_mode
         self.preemption_mode = (
             ("swap" if self.device.type == "cuda" else "recompute") if mode == "auto" else mode
@@ -170,34 +172,23 @@ class ModelRunner:
         else:
             swap_blocks(self.host_cache, self.kv_cache, src, dst)
 
-    def apply_block_ops(
-        self,
-        swaps: list[tuple[bool, list[CopyPair]]] | None,
-        fresh_blocks: list[int] | None,
-        copies: list[CopyPair],
-    ) -> None:
+    def apply_block_ops(self, batch: StepBatch) -> None:
         """Before a forward pass: swaps in the order the scheduler decided them (a block freed by a
         swap-out may be the target of a later swap-in), then zeroing of new blocks (a freed block may
         have been handed out again), then copy-on-write copies (their source may have just been
         swapped in)."""
-        for to_host, pairs in swaps or []:
-            self.swap_blocks(to_host, pairs)
-        self.zero_blocks(fresh_blocks or [])
-        self.copy_blocks(copies)
+        for swap in batch.swaps:
+            self.swap_blocks(swap.to_host, swap.pairs)
+        self.zero_blocks(batch.fresh_blocks)
+        self.copy_blocks(batch.copies)
 
-    def execute(
-        self,
-        scheduled: list[ScheduledSeq],
-        copies: list[CopyPair],
-        bm: BlockManager,
-        fresh_blocks: list[int] | None = None,
-        swaps: list[tuple[bool, list[CopyPair]]] | None = None,
-    ) -> torch.Tensor:
-        """Run one step; returns float32 logits [num sampling seqs, vocab] in ``scheduled`` order.
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits [number of sampling chunks, vocab] in chunk order.
         ``apply_block_ops`` runs first."""
         t0 = time.perf_counter()
-        self.apply_block_ops(swaps, fresh_blocks, copies)
+        self.apply_block_ops(batch)
         t1 = time.perf_counter()
+        scheduled = batch.chunks
         decode = [s for s in scheduled if s.num_new_tokens == 1]
         prefill = [s for s in scheduled if s.num_new_tokens != 1]
         order = decode + prefill
@@ -212,19 +203,15 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(order)), lens)
         positions = starts[seq_of_token] + (np.arange(total) - cu[:-1][seq_of_token])
 
-        tables = [bm.table(s.seq.seq_id) for s in order]
-        width = max(len(t) for t in tables)
-        bt = np.zeros((len(order), width), dtype=np.int64)
-        for row, t in enumerate(tables):
-            bt[row, : len(t)] = t
+        width = max(len(s.block_table) for s in order)
+        bt = np.full((len(order), width), self.null_block, dtype=np.int64)
+        for row, s in enumerate(order):
+            bt[row, : len(s.block_table)] = s.block_table
         slots = bt[seq_of_token, positions // bs] * bs + positions % bs
 
         ids: list[int] = []
         for s in order:
-            if s.num_new_tokens == 1:
-                ids.append(s.seq.token_ids[s.start])
-            else:
-                ids.extend(s.seq.token_ids[s.start : s.start + s.num_new_tokens])
+            ids.extend(s.token_ids)
 
         dev = self.device
         ids_np = np.array(ids, dtype=np.int64)
@@ -342,7 +329,7 @@ class ModelRunner:
             own = nblocks[rows] - n_of
             own_before = np.cumsum(own) - own  # own blocks of earlier rows, across groups
             col = n_of + own_before - own_before[first][g_of]
-            tables = np.zeros((g_count, u_max), dtype=np.int64)
+            tables = np.full((g_count, u_max), self.null_block, dtype=np.int64)
             for gi, i in enumerate(members):  # the shared blocks, once per group
                 lead, n = groups[i]
                 tables[gi, :n] = bt[lead[0], :n]

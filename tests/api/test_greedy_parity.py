@@ -99,11 +99,11 @@ def test_text_prompts_and_eos_stop(llama_dir):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_garbage_in_unwritten_kv_slots_never_leaks(model_dirs, arch):
     """The KV pool is allocated uninitialized; whatever an unwritten slot holds (NaN here), masked
-    attention must not see it (new blocks are zeroed; block 0 pads block tables)."""
+    attention must not see it (new blocks are zeroed; the runner's null block pads block tables)."""
     path = model_dirs[arch]
     llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_kv_blocks=40)
     llm.engine.runner.kv_cache.fill_(float("nan"))
-    llm.engine.runner.zero_blocks([0])
+    llm.engine.runner.zero_blocks([llm.engine.runner.null_block])
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == expected(path, i), f"prompt {i}"

@@ -246,6 +246,6 @@ def test_unused_slot_statistic_equals_a_count_over_every_held_block(llama_dir):
             for i, b in enumerate(eng.bm.table(s.seq_id)):
                 fill[b] = max(fill.get(b, 0), min(8, s.num_computed_tokens - i * 8))
         brute = eng.bm.num_used_blocks * 8 - sum(max(f, 0) for f in fill.values())
-        eng._stats["peak_physical_kv_slots"] = 0  # force the statistic to be taken now
-        eng._note_kv_usage()
-        assert eng._stats["unused_slots_in_held_blocks_at_peak"] == brute, step
+        eng._stats.values["peak_physical_kv_slots"] = 0  # force the statistic to be taken now
+        eng._stats.note_kv_usage(live, eng.bm)
+        assert eng._stats.values["unused_slots_in_held_blocks_at_peak"] == brute, step

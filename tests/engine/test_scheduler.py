@@ -12,7 +12,7 @@ BS = 4
 
 
 def make_group(rid: str, tokens: list[int], n: int = 1) -> SequenceGroup:
-    g = SequenceGroup(rid, SamplingParams(n=n), None, tokens, arrival=int(rid) if rid.isdigit() else 0)
+    g = SequenceGroup(rid, SamplingParams(n=n), None, tokens)
     g.seqs.append(Sequence(g, 0, list(tokens), len(tokens), seed=0))
     return g
 
