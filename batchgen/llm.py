@@ -48,20 +48,19 @@ class LLM:
         ``error`` and the others are unaffected. An interrupt (Ctrl-C) drops the call's unfinished
         requests, so the engine stays usable.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        one = isinstance(prompts, str) or bool(prompts) and isinstance(prompts[0], int)
+        prompt_list: list[Any] = [prompts] if one else list(prompts)
         if params is None:
             params = SamplingParams()
         if isinstance(params, (SamplingParams, BeamSearchParams)):
-            per_prompt = [params] * len(prompts)
+            per_prompt = [params] * len(prompt_list)
         else:
             per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
-                raise ValueError(f"got {len(per_prompt)} parameter sets for {len(prompts)} prompts")
+            if len(per_prompt) != len(prompt_list):
+                raise ValueError(f"got {len(per_prompt)} parameter sets for {len(prompt_list)} prompts")
         engine = self.engine
         checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+        for i, (prompt, p) in enumerate(zip(prompt_list, per_prompt, strict=True)):
             try:
                 checked.append((engine.prepare(prompt, p), p))
             except ValueError as e:
@@ -91,7 +90,7 @@ class LLM:
             bar.close()
         return [results[rid] for rid in ids]
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
         """KV-cache figures: pool size, peak blocks used, copy-on-write copies, prefix-cache hits,
         peak KV tokens held logically (sum over live sequences) and physically (slots in used blocks)."""
         return self.engine.stats()

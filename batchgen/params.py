@@ -35,9 +35,6 @@ class _Params:
                     f"unknown {cls._kind} parameter {key!r}{extra}; allowed: {', '.join(sorted(names))}"
                 )
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-
 
 def _reject_unknown_names(cls):
     """Make the dataclass ``__init__`` raise ValueError (naming the key) for unknown keywords."""
@@ -160,10 +157,6 @@ class SamplingParams(_Params):
             _check(isinstance(v, (int, float)) and -2 <= v <= 2, name, v, "in [-2, 2]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     @property
     def group_size(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 CORPUS = """\
 batchgen turns a dataset of prompts into a dataset of generations. The engine keeps the KV cache
@@ -69,7 +70,7 @@ def make_config(
     }
     if arch not in cls:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,

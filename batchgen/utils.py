@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
 
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative integers: the blocks that ``a`` tokens fill."""
+import numpy as np
+
+IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
+
+
+def cdiv(a: IntOrArray, b: int) -> IntOrArray:
+    """``ceil(a / b)`` for non-negative integers (or an integer array): the blocks ``a`` tokens fill."""
     return -(-a // b)

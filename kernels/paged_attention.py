@@ -12,6 +12,8 @@ merges: the flash-decoding layout for long contexts with few sequences.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -144,16 +146,26 @@ def _reduce_kernel(
     tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
 
+DEFAULT_NUM_SMS = 132  # streaming multiprocessors of an H100 / H200, when no device is at hand
+
+
+@functools.lru_cache(maxsize=8)
+def device_num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose_splits(
-    num_tokens: int, kv_heads: int, max_context: int, block_size: int, num_sms: int = 132
+    num_tokens: int, kv_heads: int, max_context: int, block_size: int, num_sms: int = DEFAULT_NUM_SMS
 ) -> int:
     """Split the KV range when too few (token, head) programs exist to fill the device and the
     contexts are long: each split should still cover at least 16 blocks."""
     programs = num_tokens * kv_heads
     if programs >= 2 * num_sms:
         return 1
-    blocks = -(-max_context // block_size)
-    return max(1, min(32, -(-2 * num_sms // max(programs, 1)), blocks // 16))
+    blocks = triton.cdiv(max_context, block_size)
+    return max(1, min(32, triton.cdiv(2 * num_sms, max(programs, 1)), blocks // 16))
 
 
 def paged_attention(
@@ -185,7 +197,7 @@ def paged_attention(
     if t == 0:
         return out
     g = h // kvh
-    splits = num_splits or choose_splits(t, kvh, max_context, bs)
+    splits = num_splits or choose_splits(t, kvh, max_context, bs, device_num_sms(q.device))
     per_split = triton.cdiv(triton.cdiv(max(max_context, 1), bs), splits)
     common = dict(
         G=g,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -15,7 +17,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, token_rows, token_ctx
     for t in range(t_count):
         ctx = int(token_ctx[t])
         row = block_tables[int(token_rows[t])]
-        nb = -(-ctx // bs)
+        nb = math.ceil(ctx / bs)
         keys = k_cache[:, row[:nb]].reshape(kvh, nb * bs, d)[:, :ctx].float()
         values = v_cache[:, row[:nb]].reshape(kvh, nb * bs, d)[:, :ctx].float()
         qq = q[t].float().view(kvh, g, d)

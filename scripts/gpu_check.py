@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.utils import cdiv
+
 
 def bandwidth_gbs() -> float:
     import triton.testing
@@ -75,7 +77,7 @@ def check_attention(bw: float, rows: list) -> None:
         ("decode 4 x 32k (split-KV)", 4, 32768, 8, 32, 64, 16),
         ("decode 64 x 4k, d128", 64, 4096, 8, 32, 128, 32),
     ]:
-        nb_per = -(-ctx_len // bs)
+        nb_per = cdiv(ctx_len, bs)
         num_blocks = seqs * nb_per + 8
         dt = torch.bfloat16
         kc = torch.randn((kvh, num_blocks, bs, d), device="cuda", dtype=dt)

@@ -14,6 +14,7 @@ standing for all ``k`` beams, as transformers does with scores ``[0, -1e9, ...]`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -100,56 +101,19 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
     """
     if states[0].params.beam_width == 1:
         return _greedy_step(states, log_probs)
-    g_count = len(states)
     k = states[0].params.beam_width
-    n_end = len(states[0].end_ids)
-    vocab = log_probs.shape[-1]
-    keep = max(2, 1 + n_end) * k
-    top_k_mask = torch.cat((torch.ones(k, dtype=torch.bool), torch.zeros(keep - k, dtype=torch.bool)))
-
-    log_probs = _mask_end_tokens(states, log_probs, k)
-    running = torch.stack([st.running_scores for st in states])
-    acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
-
-    topk_log_probs, topk_idx = torch.topk(acc, k=keep)
-    topk_beam = topk_idx // vocab
-    topk_ids = topk_idx % vocab
-
-    at_limit = torch.tensor([[st.cur_len + 1 >= st.max_length] for st in states])
-    if n_end:
-        ends = torch.tensor([st.end_ids for st in states])  # [G, n_end]
-        hits = (topk_ids[:, :, None] == ends[:, None, :]).any(dim=-1) | at_limit
-    else:
-        hits = at_limit.expand(g_count, keep).clone()
+    cand = _candidates(states, log_probs, k)
 
     # e. next running beams: the best k continuations that did not end
-    topk_running = topk_log_probs + hits.to(torch.float32) * NEG
+    topk_running = cand.log_probs + cand.ends.to(torch.float32) * NEG
     next_idx = torch.topk(topk_running, k=k)[1]
     next_scores = topk_running.gather(1, next_idx)
 
-    # f. finished hypotheses
-    finished_scores = torch.stack([st.finished_scores for st in states])
-    is_finished = torch.stack([st.is_finished for st in states])
-    unsatisfied = torch.stack([st.early_stop_unsatisfied for st in states])
-    just_finished = hits & top_k_mask[None, :]
-    cand = torch.empty_like(topk_log_probs)
-    for g, st in enumerate(states):
-        cand[g] = topk_log_probs[g] / ((st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty)
-    full = torch.all(is_finished, dim=-1, keepdim=True) & torch.tensor(
-        [[st.params.early_stopping is True] for st in states]
-    )
-    cand += full.to(torch.float32) * NEG
-    cand += (~unsatisfied).to(torch.float32) * NEG
-    cand += (~just_finished) * NEG
-    merged_scores = torch.cat((finished_scores, cand), dim=1)
-    merged_finished = torch.cat((is_finished, just_finished), dim=1)
-    merged_idx = torch.topk(merged_scores, k=k)[1]
-    new_finished_scores = merged_scores.gather(1, merged_idx)
-    new_is_finished = merged_finished.gather(1, merged_idx)
+    merged_idx, new_finished_scores, new_is_finished = _merge_finished(states, cand, k)
 
     choices = []
-    idx_rows, beam_rows, id_rows = merged_idx.tolist(), topk_beam.tolist(), topk_ids.tolist()
-    lp_rows, next_rows, score_rows = topk_log_probs.tolist(), next_idx.tolist(), next_scores.tolist()
+    idx_rows, beam_rows, id_rows = merged_idx.tolist(), cand.beams.tolist(), cand.token_ids.tolist()
+    lp_rows, next_rows, score_rows = cand.log_probs.tolist(), next_idx.tolist(), next_scores.tolist()
     for g, st in enumerate(states):
         old = st.finished
         new: list[Hypothesis | None] = []
@@ -179,22 +143,81 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
             )
         )
         st.running_scores = next_scores[g].clone()
-
-        # g. stopping rule of the whole group
         st.cur_len += 1
-        p = st.params
-        if p.early_stopping == "never" and p.length_penalty > 0.0:
-            best_len = st.max_length - st.prompt_len
-        else:
-            best_len = st.cur_len - st.prompt_len
-        best_possible = st.running_scores[:1] / (best_len**p.length_penalty)
-        worst = torch.where(st.is_finished, torch.min(st.finished_scores), NEG)
-        st.early_stop_unsatisfied = st.early_stop_unsatisfied & torch.any(best_possible > worst)
-        improvement = bool(st.early_stop_unsatisfied.any())
-        open_beam = not (bool(st.is_finished.all()) and p.early_stopping is True)
-        valid = not bool(hits[g].all())
-        st.done = not (improvement and open_beam and valid)
+        st.done = _group_done(st, all_ended=bool(cand.ends[g].all()))
     return choices
+
+
+class _Candidates(NamedTuple):
+    """The top ``max(2, 1 + n_end) * k`` continuations of each group ([G, keep] each)."""
+
+    log_probs: torch.Tensor  # accumulated log-probabilities
+    beams: torch.Tensor  # which running beam each continues
+    token_ids: torch.Tensor
+    ends: torch.Tensor  # bool: the continuation ends (an end token, or the length limit)
+
+
+def _candidates(states: list[BeamState], log_probs: torch.Tensor, k: int) -> _Candidates:
+    """a.-d.: accumulated scores of all ``k x vocab`` continuations and the best of them."""
+    g_count = len(states)
+    n_end = len(states[0].end_ids)
+    vocab = log_probs.shape[-1]
+    keep = max(2, 1 + n_end) * k
+    log_probs = _mask_end_tokens(states, log_probs, k)
+    running = torch.stack([st.running_scores for st in states])
+    acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
+    topk_log_probs, topk_idx = torch.topk(acc, k=keep)
+    topk_ids = topk_idx % vocab
+    at_limit = torch.tensor([[st.cur_len + 1 >= st.max_length] for st in states])
+    if n_end:
+        ends = torch.tensor([st.end_ids for st in states])  # [G, n_end]
+        hits = (topk_ids[:, :, None] == ends[:, None, :]).any(dim=-1) | at_limit
+    else:
+        hits = at_limit.expand(g_count, keep).clone()
+    return _Candidates(topk_log_probs, topk_idx // vocab, topk_ids, hits)
+
+
+def _merge_finished(
+    states: list[BeamState], cand: _Candidates, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """f.: the candidates that end, among the top k only, scored ``logprob_sum / generated_len **
+    length_penalty``, merged with each group's k finished hypotheses; returns the merged order
+    (index < k: an old hypothesis, else candidate ``index - k``), the scores and finished flags."""
+    keep = cand.log_probs.shape[1]
+    top_k_mask = torch.cat((torch.ones(k, dtype=torch.bool), torch.zeros(keep - k, dtype=torch.bool)))
+    finished_scores = torch.stack([st.finished_scores for st in states])
+    is_finished = torch.stack([st.is_finished for st in states])
+    unsatisfied = torch.stack([st.early_stop_unsatisfied for st in states])
+    just_finished = cand.ends & top_k_mask[None, :]
+    scores = torch.empty_like(cand.log_probs)
+    for g, st in enumerate(states):
+        scores[g] = cand.log_probs[g] / ((st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty)
+    full = torch.all(is_finished, dim=-1, keepdim=True) & torch.tensor(
+        [[st.params.early_stopping is True] for st in states]
+    )
+    scores += full.to(torch.float32) * NEG
+    scores += (~unsatisfied).to(torch.float32) * NEG
+    scores += (~just_finished) * NEG
+    merged_scores = torch.cat((finished_scores, scores), dim=1)
+    merged_finished = torch.cat((is_finished, just_finished), dim=1)
+    merged_idx = torch.topk(merged_scores, k=k)[1]
+    return merged_idx, merged_scores.gather(1, merged_idx), merged_finished.gather(1, merged_idx)
+
+
+def _group_done(st: BeamState, all_ended: bool) -> bool:
+    """g.: the stopping rule of a group after its step (``st.cur_len`` already advanced); narrows
+    ``st.early_stop_unsatisfied``."""
+    p = st.params
+    if p.early_stopping == "never" and p.length_penalty > 0.0:
+        best_len = st.max_length - st.prompt_len
+    else:
+        best_len = st.cur_len - st.prompt_len
+    best_possible = st.running_scores[:1] / (best_len**p.length_penalty)
+    worst = torch.where(st.is_finished, torch.min(st.finished_scores), NEG)
+    st.early_stop_unsatisfied = st.early_stop_unsatisfied & torch.any(best_possible > worst)
+    improvement = bool(st.early_stop_unsatisfied.any())
+    open_beam = not (bool(st.is_finished.all()) and p.early_stopping is True)
+    return not (improvement and open_beam and not all_ended)
 
 
 def _greedy_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoice]:

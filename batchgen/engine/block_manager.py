@@ -25,7 +25,7 @@ How it works::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -95,9 +95,6 @@ class FreeBlockQueue:
             out.append(b.block_id)  # type: ignore[union-attr]
             b = b.next  # type: ignore[union-attr]
         return out
-
-    def __contains__(self, block: Block) -> bool:
-        return block.prev is not None
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_key: object = None) -> int:
@@ -225,12 +222,13 @@ class BlockManager:
         self, token_ids: Sequence[int], extra_key: object = None, max_blocks: int | None = None
     ) -> PrefixMatch:
         """Cached leading full blocks of ``token_ids`` (at most ``max_blocks``)."""
-        bs = self.block_size
-        limit = len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
-        ids, hashes, free_ids, parent = [], [], [], None
-        for i in range(limit):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk, extra_key)
+        limit = len(token_ids) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        ids: list[int] = []
+        hashes: list[int] = []
+        free_ids: list[int] = []
+        for _, h, chunk in self._chain(token_ids, None, 0, limit, extra_key):
             block = self.pool.lookup(h, chunk)
             if block is None:
                 return PrefixMatch(ids, hashes, free_ids, h)
@@ -238,20 +236,25 @@ class BlockManager:
             hashes.append(h)
             if block.ref_count == 0:
                 free_ids.append(block.block_id)
-            parent = h
         return PrefixMatch(ids, hashes, free_ids)
+
+    def _chain(
+        self, token_ids: Sequence[int], parent: int | None, first: int, end: int, extra_key: object
+    ) -> Iterator[tuple[int, int, Sequence[int]]]:
+        """``(index, chained hash, tokens)`` of full blocks ``first`` .. ``end - 1`` of
+        ``token_ids``, the chain continuing from ``parent`` (the hash of block ``first - 1``)."""
+        bs = self.block_size
+        for i in range(first, end):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, chunk, extra_key)
+            yield i, parent, chunk
 
     def chain_hashes(
         self, token_ids: Sequence[int], match: PrefixMatch, end: int, extra_key: object = None
     ) -> list[int]:
         """Hashes of the full blocks after ``match`` that the first ``end`` tokens fill."""
-        bs = self.block_size
         parent = match.hashes[-1] if match.hashes else None
-        out = []
-        for i in range(match.num_blocks, end // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-            out.append(parent)
-        return out
+        return [h for _, h, _ in self._chain(token_ids, parent, match.num_blocks, end // self.block_size, extra_key)]
 
     def blocks_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Free blocks that ``append_slots(seq_id, num_computed, num_new)`` would take."""
@@ -413,14 +416,11 @@ class BlockManager:
         entry = self.seqs.get(seq_id)
         if entry is None:
             return
-        bs = self.block_size
-        num_full = min(num_computed // bs, len(entry.table))
+        num_full = min(num_computed // self.block_size, len(entry.table))
         parent = entry.hashes[-1] if entry.hashes else None
-        for i in range(len(entry.hashes), num_full):
-            chunk = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk, extra_key)
-            entry.hashes.append(parent)
-            self.pool.set_hash(self.pool.blocks[entry.table[i]], parent, chunk)
+        for i, h, chunk in self._chain(token_ids, parent, len(entry.hashes), num_full, extra_key):
+            entry.hashes.append(h)
+            self.pool.set_hash(self.pool.blocks[entry.table[i]], h, chunk)
 
     # -- checks --------------------------------------------------------------------------------
     def _writable(self, block: Block) -> bool:

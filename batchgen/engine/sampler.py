@@ -23,6 +23,10 @@ from batchgen.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
+# Below this log-probability a float32 probability is subnormal (from about -87.3) or 0, so its
+# log has lost bits; such a token's log-probability is recomputed with log_softmax.
+_INEXACT_LOG_PROB = -80.0
+
 
 def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -183,11 +187,36 @@ def _sample_sorted(
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Pick one token per row of ``logits`` [rows, vocab] (float32)."""
-    n = len(rows)
-    dev = logits.device
-    x = logits
+    """Pick one token per row of ``logits`` [rows, vocab] (float32): blocked tokens and penalties
+    applied, greedy rows by argmax, the others drawn from their tempered, truncated distribution;
+    with the raw model log-probability of each pick (and the top ones where asked)."""
+    x = _adjusted_logits(logits, rows)
+    greedy_rows = [r.params.temperature == 0 for r in rows]
+    temps = [r.params.temperature or 1.0 for r in rows]
+    tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
+    # Fused softmax kernels: several times faster than exp / sum passes of our own on the CPU.
+    probs = raw_probs = None
+    if not all(greedy_rows):
+        if x is logits and all(t == 1.0 for t in temps):
+            probs = raw_probs = torch.softmax(logits, dim=-1)
+        else:
+            scaled = (
+                x
+                if all(t == 1.0 for t in temps)
+                else x * torch.tensor([1.0 / t for t in temps], device=x.device, dtype=x.dtype)[:, None]
+            )
+            probs = torch.softmax(scaled, dim=-1)
+        tokens = torch.where(torch.tensor(greedy_rows, device=x.device), tokens, _draw_rows(probs, rows, tokens))
+    if raw_probs is None:
+        raw_probs = torch.softmax(logits, dim=-1)
+    chosen, top = _logprobs(logits, raw_probs, tokens, rows)
+    return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
+
+def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """``logits`` with blocked tokens at -inf and repetition / frequency / presence penalties
+    applied (a copy only when a row needs one)."""
+    x = logits
     blocked = [(i, t) for i, r in enumerate(rows) for t in r.blocked_ids if t < x.shape[1]]
     pen = [
         i
@@ -201,75 +230,63 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         x[list(bi), list(bt)] = float("-inf")
     if pen:
         _penalize(x, rows, pen)
+    return x
 
+
+def _draw_rows(probs: torch.Tensor, rows: list[SampleRow], tokens: torch.Tensor) -> torch.Tensor:
+    """One draw per non-greedy row from ``probs`` after min-p, top-k and top-p (greedy rows keep
+    ``tokens``): plain draws, top-p by rejection, and a sort only for top-k and rejected rows."""
+    n, dev = len(rows), probs.device
     greedy_rows = [r.params.temperature == 0 for r in rows]
-    temps = [r.params.temperature or 1.0 for r in rows]
-    tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(n, dtype=torch.long, device=dev)
-    # Fused softmax kernels: several times faster than exp / sum passes of our own on the CPU.
-    probs = raw_probs = None
-    if not all(greedy_rows):
-        if x is logits and all(t == 1.0 for t in temps):
-            probs = raw_probs = torch.softmax(logits, dim=-1)
-        else:
-            scaled = (
-                x
-                if all(t == 1.0 for t in temps)
-                else x * torch.tensor([1.0 / t for t in temps], device=dev, dtype=x.dtype)[:, None]
-            )
-            probs = torch.softmax(scaled, dim=-1)
-    if raw_probs is None:
-        raw_probs = torch.softmax(logits, dim=-1)
-    if probs is not None:
-        min_p = [r.params.min_p for r in rows]
-        if any(min_p):
-            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
-        plain = [
-            i
-            for i, r in enumerate(rows)
-            if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p >= 1
-        ]
-        nucleus = [
-            i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p < 1
-        ]
-        with_k = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k > 0]
-        sampled = tokens.clone()
-        if plain:
-            u = uniforms([rows[i].seed for i in plain], [rows[i].step * 8 for i in plain]).to(dev)
-            sampled[plain] = _draw(probs if len(plain) == n else probs[plain], u)
-        if nucleus:
-            everyone = len(nucleus) == n
-            tok, left = _sample_top_p_by_rejection(
-                probs if everyone else probs[nucleus],
-                [rows[i] for i in nucleus],
-                top_p if everyone else top_p[nucleus],
-            )
-            sampled[nucleus] = tok
-            with_k += [nucleus[i] for i in left.tolist()]
-        if with_k:
-            sampled[with_k] = _sample_sorted(probs, rows, with_k, top_k, top_p)
-        tokens = torch.where(torch.tensor(greedy_rows, device=dev), tokens, sampled)
+    min_p = [r.params.min_p for r in rows]
+    if any(min_p):
+        mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
+    plain = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p >= 1]
+    nucleus = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p < 1]
+    with_k = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k > 0]
+    sampled = tokens.clone()
+    if plain:
+        u = uniforms([rows[i].seed for i in plain], [rows[i].step * 8 for i in plain]).to(dev)
+        sampled[plain] = _draw(probs if len(plain) == n else probs[plain], u)
+    if nucleus:
+        everyone = len(nucleus) == n
+        tok, left = _sample_top_p_by_rejection(
+            probs if everyone else probs[nucleus],
+            [rows[i] for i in nucleus],
+            top_p if everyone else top_p[nucleus],
+        )
+        sampled[nucleus] = tok
+        with_k += [nucleus[i] for i in left.tolist()]
+    if with_k:
+        sampled[with_k] = _sample_sorted(probs, rows, with_k, top_k, top_p)
+    return sampled
 
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    # log of the raw probability (softmax is cheaper than log_softmax); a probability that
-    # (nearly) underflowed is recomputed exactly for its row
+
+def _logprobs(
+    logits: torch.Tensor, raw_probs: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]
+) -> tuple[torch.Tensor, list[dict[int, float] | None]]:
+    """The raw model log-probability of each chosen token, and the top ``logprobs`` per row that
+    asks for them. The log of the raw probability (softmax is cheaper than log_softmax); one that
+    (nearly) underflowed is recomputed exactly for its row."""
     chosen = raw_probs.gather(1, tokens[:, None]).squeeze(1).log()
-    tiny = torch.nonzero(chosen < -80.0).flatten().tolist()  # 0 or a subnormal float32
+    tiny = torch.nonzero(chosen < _INEXACT_LOG_PROB).flatten().tolist()
     if tiny:
         exact = torch.log_softmax(logits[tiny], dim=-1).gather(1, tokens[tiny][:, None]).squeeze(1)
         chosen[tiny] = exact
-    top: list[dict[int, float] | None] = [None] * n
+    top: list[dict[int, float] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
-        k = max(rows[i].params.logprobs for i in want)  # type: ignore[type-var]
+        k = max(rows[i].params.logprobs or 0 for i in want)
         if k > 0:
             vals, ids = torch.log_softmax(logits[want], dim=-1).topk(k, dim=-1)
         for j, i in enumerate(want):
             d: dict[int, float] = {}
             kk = rows[i].params.logprobs or 0
             if kk:
-                d.update(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True))  # type: ignore[index]
+                d.update(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True))
             d[int(tokens[i])] = float(chosen[i])
             top[i] = d
-    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+    return chosen, top

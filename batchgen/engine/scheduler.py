@@ -38,6 +38,9 @@ from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from batchgen.step import Chunk, CopyPair, StepBatch, Swap
 from batchgen.utils import cdiv
 
+# Share of the pool kept free when admitting a group beside running ones: the running groups'
+# next decode blocks then rarely force a preemption right after an admission.
+WATERMARK_FRACTION = 0.01
 
 class ScheduledSeq(NamedTuple):
     """``seq`` computes ``num_new_tokens`` tokens starting at ``start`` this step."""
@@ -92,7 +95,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.watermark = max(1, self.bm.num_blocks // 100)
+        self.watermark = max(1, int(self.bm.num_blocks * WATERMARK_FRACTION))
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -141,11 +144,8 @@ class Scheduler:
         computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
         while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             group = self.waiting[0]
-            if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
-                break
             plans, need = self._plan(group, budget)
-            reserve = self.watermark if self.running else 0
-            if not plans or need + reserve > self.bm.num_free_blocks:
+            if not plans or not self._can_admit(group, need):
                 break
             # A prompt whose next block is being computed right now waits one step and then
             # reuses it from the prefix cache instead of computing it again.
@@ -161,6 +161,17 @@ class Scheduler:
                     )
         out.fresh_blocks = self.bm.take_fresh_blocks()
         return out
+
+    def _can_admit(self, group: SequenceGroup, blocks: int) -> bool:
+        """Whether a waiting or swapped group may join the running ones with ``blocks`` more
+        blocks: within ``max_num_seqs`` (a group alone always is) and the pool, keeping the
+        watermark free while others run."""
+        if not self.running:
+            return blocks <= self.bm.num_free_blocks
+        return (
+            self.num_running_seqs + group.max_seqs <= self.max_num_seqs
+            and blocks + self.watermark <= self.bm.num_free_blocks
+        )
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:
         while True:
@@ -252,13 +263,9 @@ class Scheduler:
         """
         while self.swapped and budget > 0:
             group = self.swapped[0]
-            if self.running and self.num_running_seqs + group.max_seqs > self.max_num_seqs:
-                break
             ids = [s.seq_id for s in group.live_seqs]
             _, need = self._plan(group, budget)
-            resident = len(self.bm.host_blocks_of(ids))
-            reserve = self.watermark if self.running else 0
-            if resident + need + reserve > self.bm.num_free_blocks:
+            if not self._can_admit(group, len(self.bm.host_blocks_of(ids)) + need):
                 if self.running:
                     break
                 self.swapped.popleft()

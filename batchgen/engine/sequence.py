@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.outputs import FinishReason
 from batchgen.params import BeamSearchParams, SamplingParams
 
 
@@ -40,7 +41,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detok: Any = None  # incremental detokenizer state (only when stop strings are used)
     text_end: int | None = None  # where the completion's text ends (a stop string was found)

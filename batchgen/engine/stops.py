@@ -15,9 +15,9 @@ class StopStringWatcher:
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.backend = tokenizer.backend_tokenizer
         self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self.stops = params.stop
+        self.stops: list[str] = list(params.stop or [])
         self.keep_stop = params.include_stop_str_in_output
-        self.longest = max(len(s) for s in params.stop)
+        self.longest = max(len(s) for s in self.stops)
         self.text = ""
 
     def copy_for(self, token_ids: list[int], tokenizer, params: SamplingParams) -> StopStringWatcher:

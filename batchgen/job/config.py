@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 
 from batchgen.config import EngineConfig
+from batchgen.job.source import column_names
 from batchgen.params import BeamSearchParams, SamplingParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
@@ -61,10 +63,6 @@ class JobConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     run: RunConfig = field(default_factory=RunConfig)
     source_file: str | None = None
-
-    @property
-    def is_beam(self) -> bool:
-        return "beam_width" in self.generation
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         values = {**self.generation, **(overrides or {})}
@@ -162,6 +160,19 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
         return None
 
 
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """``"INDEX/COUNT"`` -> ``(INDEX, COUNT)``; None for an unsharded job."""
+    if spec is None:
+        return None
+    try:
+        index, count = (int(x) for x in str(spec).split("/"))
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise ValueError(f"must be 'INDEX/COUNT' with 0 <= INDEX < COUNT, got {spec!r}")
+    return index, count
+
+
 def input_files(path: str) -> list[str]:
     if any(c in path for c in "*?["):
         return sorted(glob.glob(path, recursive=True))
@@ -186,6 +197,7 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
 
 
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
+    """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
     top = {"model", "engine", "input", "generation", "output", "run"}
     for key in data:
@@ -205,51 +217,12 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     if data.get("output") is None:
         problems.append("output: required section (output.path)")
     run = _section(RunConfig, data.get("run"), "run", problems) or RunConfig()
-    engine = data.get("engine") or {}
-    if not isinstance(engine, dict):
-        problems.append("engine: must be a mapping")
-        engine = {}
-    else:
-        try:
-            EngineConfig.from_kwargs(model or ".", **engine)
-        except (ValueError, TypeError) as e:
-            problems.append(f"engine: {e}")
-    gen = data.get("generation") or {}
-    if not isinstance(gen, dict):
-        problems.append("generation: must be a mapping")
-        gen = {}
-    else:
-        try:
-            (BeamSearchParams if "beam_width" in gen else SamplingParams).from_dict(gen)
-        except (ValueError, TypeError) as e:
-            problems.append(f"generation: {e}")
+    engine = _mapping(data, "engine", problems, lambda v: EngineConfig.from_kwargs(model or ".", **v))
+    gen = _mapping(
+        data, "generation", problems, lambda v: (BeamSearchParams if "beam_width" in v else SamplingParams).from_dict(v)
+    )
     if inp is not None:
-        if inp.format not in INPUT_FORMATS:
-            problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
-        files = input_files(inp.path)
-        if not files:
-            problems.append(f"input.path: nothing found at {inp.path!r}")
-        fmt = detect_format(inp, files) if files and inp.format in INPUT_FORMATS else inp.format
-        if fmt != "openai":
-            if bool(inp.prompt_column) == bool(inp.messages_column):
-                problems.append("input: set exactly one of prompt_column or messages_column")
-            elif files:
-                from batchgen.job.source import column_names
-
-                try:
-                    names = column_names(inp, files, fmt)
-                except Exception as e:  # noqa: BLE001
-                    problems.append(f"input.path: cannot read {inp.path!r} as {fmt}: {e}")
-                    names = None
-                if names is not None:
-                    for key in ("prompt_column", "messages_column", "id_column", "params_column"):
-                        col = getattr(inp, key)
-                        if col and col not in names:
-                            problems.append(
-                                f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})"
-                            )
-        if inp.batch_rows < 1:
-            problems.append("input.batch_rows: must be >= 1")
+        _check_input(inp, problems)
     if out is not None:
         if out.format not in OUTPUT_FORMATS:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
@@ -257,10 +230,9 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             problems.append("output.rows_per_shard: must be >= 1")
     if run.shard is not None:
         try:
-            i, n = (int(x) for x in run.shard.split("/"))
-            assert 0 <= i < n
-        except (ValueError, AssertionError):
-            problems.append(f"run.shard: must be 'INDEX/COUNT' with 0 <= INDEX < COUNT, got {run.shard!r}")
+            parse_shard(run.shard)
+        except ValueError as e:
+            problems.append(f"run.shard: {e}")
     if problems:
         raise ConfigError(
             "invalid job config"
@@ -268,15 +240,59 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             + ":\n  - "
             + "\n  - ".join(problems)
         )
+    assert isinstance(model, str) and inp is not None and out is not None  # else a problem was listed
     return JobConfig(
         model=model,
         input=inp,
         output=out,
         generation=gen,
         engine=engine,
-        run=run,  # type: ignore[arg-type]
+        run=run,
         source_file=source_file,
     )
+
+
+def _mapping(data: dict[str, Any], name: str, problems: list[str], check: Callable[[dict], object]) -> dict:
+    """The section ``name`` as a dict (empty when absent), after ``check`` accepted it."""
+    value = data.get(name) or {}
+    if not isinstance(value, dict):
+        problems.append(f"{name}: must be a mapping")
+        return {}
+    try:
+        check(value)
+    except (ValueError, TypeError) as e:
+        problems.append(f"{name}: {e}")
+    return value
+
+
+def _check_input(inp: InputConfig, problems: list[str]) -> None:
+    """The input exists, its format is known, and the configured columns are in the data."""
+    if inp.format not in INPUT_FORMATS:
+        problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
+    if inp.batch_rows < 1:
+        problems.append("input.batch_rows: must be >= 1")
+    files = input_files(inp.path)
+    if not files:
+        problems.append(f"input.path: nothing found at {inp.path!r}")
+    fmt = detect_format(inp, files) if files and inp.format in INPUT_FORMATS else inp.format
+    if fmt == "openai":
+        return
+    if bool(inp.prompt_column) == bool(inp.messages_column):
+        problems.append("input: set exactly one of prompt_column or messages_column")
+        return
+    if not files:
+        return
+    try:
+        names = column_names(files, fmt)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"input.path: cannot read {inp.path!r} as {fmt}: {e}")
+        return
+    if names is None:
+        return
+    for key in ("prompt_column", "messages_column", "id_column", "params_column"):
+        col = getattr(inp, key)
+        if col and col not in names:
+            problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")
 
 
 def detect_format(inp: InputConfig, files: list[str]) -> str:

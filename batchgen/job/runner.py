@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine
 from batchgen.engine.sampler import splitmix64
-from batchgen.job.config import JobConfig, detect_format, input_files
+from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
 from batchgen.job.sink import ShardSink, atomic_write_bytes
@@ -37,6 +37,7 @@ from batchgen.outputs import RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
 _END = object()
+QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
 
 
 class JobRefused(RuntimeError):
@@ -112,14 +113,6 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
-
-
-def parse_shard(spec: str | None) -> tuple[int, int] | None:
-    """``"INDEX/COUNT"`` -> ``(INDEX, COUNT)``; None for an unsharded job (validated in the config)."""
-    if spec is None:
-        return None
-    index, count = (int(x) for x in spec.split("/"))
-    return index, count
 
 
 def stable_seed(seed: int, row_id: str) -> int:
@@ -352,6 +345,7 @@ class JobRunner:
                 "error": {"code": "invalid_request", "message": error},
             }
         n_gen = sum(len(c.token_ids) for c in out.outputs)
+        choices: list[dict[str, Any]]
         if req.chat:
             choices = [
                 {
@@ -429,8 +423,10 @@ class JobRunner:
         self._write_manifest()  # only once the model loaded: a failed start leaves no manifest
         cap = self.cfg.run.max_rows_in_flight or 4 * engine.cfg.max_num_seqs
         counts = {"skipped_done": 0, "duplicate_ids": 0, "rows_read": 0}
-        req_q: queue.Queue = queue.Queue(maxsize=max(2 * cap, 64))
-        out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + 64)
+        # Bounded queues keep memory flat: the reader runs at most two engine-fulls of rows ahead,
+        # the writer at most a few shards behind; the floor keeps tiny configs from stalling.
+        req_q: queue.Queue = queue.Queue(maxsize=max(2 * cap, QUEUE_FLOOR))
+        out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + QUEUE_FLOOR)
         stop = threading.Event()
         writer_errors: list[BaseException] = []
         schema = None if self.openai_in else schema_of(self.files, self.fmt)
@@ -448,53 +444,10 @@ class JobRunner:
             disable=not self.cfg.run.progress,
             dynamic_ncols=True,
         )
-        in_flight: dict[str, Request] = {}
-        reading = True
-        t0 = time.perf_counter()
+        loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap)
         signals.graceful = True  # from here on a signal stops the loop and the rows are saved
         try:
-            while signals.received is None:
-                while reading and len(in_flight) < cap:
-                    try:
-                        item = req_q.get(block=not in_flight and not engine.has_unfinished(), timeout=0.5)
-                    except queue.Empty:
-                        break
-                    if item is _END:
-                        reading = False
-                        break
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item.error is None:
-                        try:
-                            engine.add_request(item.rid, item.token_ids, item.params)
-                            in_flight[item.rid] = item
-                            report.prompt_tokens += len(item.token_ids)
-                            continue
-                        except ValueError as e:
-                            item.error = str(e)
-                    report.rows_failed += 1
-                    self._put(out_q, self._row(item, None, item.error), writer_errors)
-                    bar.update(1)
-                if engine.has_unfinished():
-                    for out in engine.step():
-                        req = in_flight.pop(out.request_id)
-                        if out.error is not None:  # the engine gave up on this request alone
-                            report.rows_failed += 1
-                            self._put(out_q, self._row(req, None, out.error), writer_errors)
-                        else:
-                            report.rows_ok += 1
-                            report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
-                            self._put(out_q, self._row(req, out, None), writer_errors)
-                        bar.update(1)
-                    elapsed = time.perf_counter() - t0
-                    if elapsed > 0:
-                        bar.set_postfix_str(
-                            f"in {report.prompt_tokens / elapsed:.0f} tok/s, "
-                            f"out {report.generated_tokens / elapsed:.0f} tok/s",
-                            refresh=False,
-                        )
-                elif not reading and not in_flight:
-                    break
+            loop.run(signals)
         finally:
             stop.set()
             bar.close()
@@ -507,7 +460,7 @@ class JobRunner:
             raise JobInterrupted(
                 signals.received,
                 f"interrupted by {signal.Signals(signals.received).name}: {rows} rows saved in {self.out_dir} "
-                f"({len(in_flight)} unfinished dropped); rerun the same command to resume",
+                f"({len(loop.in_flight)} unfinished dropped); rerun the same command to resume",
             )
         report.wall_s = time.perf_counter() - t_start
         report.skipped_duplicate_ids = counts["duplicate_ids"]
@@ -541,3 +494,83 @@ class JobRunner:
                 return
             except queue.Full:
                 continue
+
+
+class _MainLoop:
+    """The main thread's loop: keep up to ``cap`` requests in the engine, step it, hand finished
+    and failed rows to the writer, until the input is exhausted or a signal arrives."""
+
+    def __init__(
+        self,
+        job: JobRunner,
+        engine: LLMEngine,
+        req_q: queue.Queue,
+        out_q: queue.Queue,
+        writer_errors: list[BaseException],
+        report: JobReport,
+        bar: tqdm,
+        cap: int,
+    ) -> None:
+        self.job, self.engine, self.req_q, self.out_q = job, engine, req_q, out_q
+        self.writer_errors, self.report, self.bar, self.cap = writer_errors, report, bar, cap
+        self.in_flight: dict[str, Request] = {}
+        self.reading = True
+        self.t0 = time.perf_counter()
+
+    def run(self, signals: StopSignals) -> None:
+        while signals.received is None:
+            self._admit()
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._finish(out)
+                self._show_rates()
+            elif not self.reading and not self.in_flight:
+                return
+
+    def _admit(self) -> None:
+        """Move built requests from the reader into the engine; rows that failed to build (or
+        to validate) go straight to the writer with their error."""
+        while self.reading and len(self.in_flight) < self.cap:
+            idle = not self.in_flight and not self.engine.has_unfinished()
+            try:
+                item = self.req_q.get(block=idle, timeout=0.5)
+            except queue.Empty:
+                return
+            if item is _END:
+                self.reading = False
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if item.error is None:
+                try:
+                    self.engine.add_request(item.rid, item.token_ids, item.params)
+                    self.in_flight[item.rid] = item
+                    self.report.prompt_tokens += len(item.token_ids)
+                    continue
+                except ValueError as e:
+                    item.error = str(e)
+            self._fail(item, item.error)
+
+    def _finish(self, out: RequestOutput) -> None:
+        req = self.in_flight.pop(out.request_id)
+        if out.error is not None:  # the engine gave up on this request alone
+            self._fail(req, out.error)
+        else:
+            self.report.rows_ok += 1
+            self.report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+            self.job._put(self.out_q, self.job._row(req, out, None), self.writer_errors)
+            self.bar.update(1)
+
+    def _fail(self, req: Request, error: str | None) -> None:
+        self.report.rows_failed += 1
+        self.job._put(self.out_q, self.job._row(req, None, error), self.writer_errors)
+        self.bar.update(1)
+
+    def _show_rates(self) -> None:
+        elapsed = time.perf_counter() - self.t0
+        if elapsed > 0:
+            self.bar.set_postfix_str(
+                f"in {self.report.prompt_tokens / elapsed:.0f} tok/s, "
+                f"out {self.report.generated_tokens / elapsed:.0f} tok/s",
+                refresh=False,
+            )

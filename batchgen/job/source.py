@@ -13,8 +13,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as pads
 
-from batchgen.job.config import InputConfig
-
 
 def _arrow_dataset(files: list[str], fmt: str) -> pads.Dataset:
     paths: list[str] = []
@@ -90,7 +88,7 @@ def _iter_jsonl(files: list[str], batch_rows: int) -> Iterator[list[dict[str, An
         yield batch
 
 
-def column_names(inp: InputConfig, files: list[str], fmt: str) -> list[str] | None:
+def column_names(files: list[str], fmt: str) -> list[str] | None:
     """Columns of the input, or None when the format has no fixed schema (JSONL: first row's keys)."""
     if fmt in ("parquet", "arrow"):
         return list(_arrow_dataset(files, fmt).schema.names)

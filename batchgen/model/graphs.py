@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from batchgen.model.attention import AttentionMetadata
+from batchgen.utils import cdiv
 
 
 class HostStaging:
@@ -66,7 +67,7 @@ class DecodeGraphs:
         self.model = runner.model
         self.buckets = default_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        self.width = -(-runner.max_model_len // runner.block_size)  # block table columns
+        self.width = cdiv(runner.max_model_len, runner.block_size)  # block table columns
         self.capture = capture
         dev = runner.device
         b, w = self.max_batch, self.width
@@ -74,7 +75,7 @@ class DecodeGraphs:
         self._sizes = (b, b, b, b, b * w)
         self._host = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._flat = torch.zeros(sum(self._sizes), dtype=torch.int64, device=dev)
-        parts = torch.split(self._flat, self._sizes)
+        parts = torch.split(self._flat, list(self._sizes))
         self.input_ids, self.positions, self.slots, self.context = parts[:4]
         self.block_tables = parts[4].view(b, w)
         self.token_rows = torch.arange(b, device=dev)

@@ -56,10 +56,6 @@ class Linear:
             if self.packed is None and strict:
                 raise ValueError(f"linear_backend='onednn': oneDNN cannot run a {tuple(weight.shape)} layer")
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)

@@ -80,13 +80,15 @@ class LlamaModel:
                 name = name[len("model.") :]
             w[name] = tensor
 
-        def take(name: str, optional: bool = False) -> torch.Tensor | None:
+        def take_optional(name: str) -> torch.Tensor | None:
             t = w.pop(name, None)
+            return None if t is None else t.to(device=self.device, dtype=self.dtype).contiguous()
+
+        def take(name: str) -> torch.Tensor:
+            t = take_optional(name)
             if t is None:
-                if optional:
-                    return None
                 raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor {name!r}")
-            return t.to(device=self.device, dtype=self.dtype).contiguous()
+            return t
 
         self.embed = take("embed_tokens.weight")
         windows = self._windows()
@@ -94,15 +96,16 @@ class LlamaModel:
         for i in range(self.num_layers):
             p = f"layers.{i}."
             q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")
-            biases = [take(p + f"self_attn.{x}_proj.bias", optional=True) for x in "qkv"]
-            bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
+            biases = [take_optional(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+            present = [b for b in biases if b is not None]
+            bias = torch.cat(present) if len(present) == len(biases) else None
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=self._linear(torch.cat([q, k, v]).contiguous(), bias),
                     o_proj=self._linear(take(p + "self_attn.o_proj.weight")),
-                    q_norm=take(p + "self_attn.q_norm.weight", optional=True),
-                    k_norm=take(p + "self_attn.k_norm.weight", optional=True),
+                    q_norm=take_optional(p + "self_attn.q_norm.weight"),
+                    k_norm=take_optional(p + "self_attn.k_norm.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=self._linear(
                         torch.cat(
@@ -128,7 +131,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [layers, 2 (K, V), kv_heads, num_blocks + 1, block_size, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -142,7 +145,7 @@ class LlamaModel:
             y = rms_norm(x, lw.input_norm, self.eps)
             qkv = lw.qkv(y)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
-            if lw.q_norm is not None:
+            if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
                 q = apply_rotary(rms_norm(q, lw.q_norm, self.eps), cos, sin)
                 k = apply_rotary(rms_norm(k, lw.k_norm, self.eps), cos, sin)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from batchgen.model.attention import (
 from batchgen.model.graphs import DecodeGraphs, HostStaging
 from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
-from batchgen.step import CopyPair, StepBatch
+from batchgen.step import Chunk, CopyPair, StepBatch
+from batchgen.utils import cdiv
 from kernels.swap import swap_blocks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,6 +48,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+# Decode steps of up to this many sequences replay CUDA graphs (one graph per bucketed batch
+# size); larger ones run eagerly: every bucket costs capture time and graph-pool memory.
+MAX_GRAPH_BATCH = 256
+# GPU memory left outside the KV pool when it is sized from free memory: activations, logits
+# of a full batch and the CUDA-graph pool.
+GPU_RESERVE_BYTES = 2 * 2**30
+
 @dataclass
 class RunnerTimes:
     """Seconds spent, summed over steps: block copies, input building, the model forward (of which
@@ -56,6 +65,20 @@ class RunnerTimes:
     forward: float = 0.0
     attention: float = 0.0
     lm_head: float = 0.0
+
+
+class _Layout(NamedTuple):
+    """One step's flattened batch in numpy (see ``ModelRunner._layout``)."""
+
+    order: list[Chunk]  # decode chunks, then prefill chunks
+    num_decode: int
+    ids: np.ndarray  # [tokens] input ids
+    positions: np.ndarray  # [tokens]
+    slots: np.ndarray  # [tokens] KV slot of each token
+    tables: np.ndarray  # [chunks, width] block tables padded with the null block
+    cu: np.ndarray  # [chunks + 1] offsets of each chunk's tokens
+    starts: np.ndarray  # [chunks] position of each chunk's first token
+    seq_of_token: np.ndarray  # [tokens] chunk of each token
 
 
 class ModelRunner:
@@ -117,7 +140,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cfg.cuda_graphs and self.device.type == "cuda" and self.per_token_layout:
             try:
-                self.graphs = DecodeGraphs(self, min(cfg.max_num_seqs, 256))
+                self.graphs = DecodeGraphs(self, min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
             except RuntimeError as e:  # a capture failure costs speed, not results
                 warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}", stacklevel=2)
                 torch.cuda.synchronize(self.device)
@@ -138,11 +161,11 @@ class ModelRunner:
     def _blocks_from_memory(self, max_model_len: int) -> int:
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = free * self.cfg.gpu_memory_utilization - 2 * 2**30
+            budget = free * self.cfg.gpu_memory_utilization - GPU_RESERVE_BYTES
         else:
             budget = self.cfg.kv_cache_memory_gb * 2**30
         # Never more than every sequence at full length could use.
-        cap = self.cfg.max_num_seqs * (-(-max_model_len // self.block_size) + 1)
+        cap = self.cfg.max_num_seqs * (cdiv(max_model_len, self.block_size) + 1)
         return max(2, min(int(budget // self.bytes_per_block), cap))
 
     def zero_blocks(self, block_ids: list[int]) -> None:
@@ -188,74 +211,26 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.apply_block_ops(batch)
         t1 = time.perf_counter()
-        scheduled = batch.chunks
-        decode = [s for s in scheduled if s.num_new_tokens == 1]
-        prefill = [s for s in scheduled if s.num_new_tokens != 1]
-        order = decode + prefill
-        bs = self.block_size
-        nd = len(decode)
-
-        lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
-        starts = np.fromiter((s.start for s in order), dtype=np.int64, count=len(order))
-        cu = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_token = np.repeat(np.arange(len(order)), lens)
-        positions = starts[seq_of_token] + (np.arange(total) - cu[:-1][seq_of_token])
-
-        width = max(len(s.block_table) for s in order)
-        bt = np.full((len(order), width), self.null_block, dtype=np.int64)
-        for row, s in enumerate(order):
-            bt[row, : len(s.block_table)] = s.block_table
-        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
-
-        ids: list[int] = []
-        for s in order:
-            ids.extend(s.token_ids)
-
-        dev = self.device
-        ids_np = np.array(ids, dtype=np.int64)
-        if self.graphs is not None and nd == len(order) and all(s.samples for s in order):
+        lay = self._layout(batch.chunks)
+        if self.graphs is not None and lay.num_decode == len(lay.order) and all(s.samples for s in lay.order):
             t2 = time.perf_counter()
-            logits = self.graphs.run(ids_np, positions, slots, bt)
+            logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.tables)
             if logits is not None:  # every decode row samples, in the scheduled order
                 t3 = time.perf_counter()
                 self.times.copy += t1 - t0
                 self.times.prepare += t2 - t1
                 self.times.forward += t3 - t2
                 return logits
-        if self.per_token_layout:
-            bt_t, slots_t, input_ids, pos_t, rows_t, ctx_t = self.staging(
-                bt, slots, ids_np, positions, seq_of_token, positions + 1
-            )
-        else:
-            bt_t, slots_t, input_ids, pos_t = self.staging(bt, slots, ids_np, positions)
-        meta = AttentionMetadata(slot_mapping=slots_t, num_decode=nd)
-        if self.per_token_layout:
-            meta.block_tables = bt_t
-            meta.token_rows = rows_t
-            meta.token_ctx = ctx_t
-            meta.max_context = int(positions.max()) + 1
-        else:
-            if nd:
-                meta.decode_groups = self._decode_groups(bt[:nd], starts[:nd] + 1)
-            for row in range(nd, len(order)):
-                s = order[row]
-                nblocks = -(-(s.start + s.num_new_tokens) // bs)
-                meta.prefills.append(
-                    PrefillChunk(
-                        int(cu[row]), s.num_new_tokens, s.start + s.num_new_tokens, bt_t[row, :nblocks]
-                    )
-                )
-
+        input_ids, pos_t, meta = self._metadata(lay)
         # Last token of each sampling sequence, in the caller's order.
-        row_of = {id(s): i for i, s in enumerate(order)}
-        last = [int(cu[row_of[id(s)] + 1]) - 1 for s in scheduled if s.samples]
+        row_of = {id(s): i for i, s in enumerate(lay.order)}
+        last = [int(lay.cu[row_of[id(s)] + 1]) - 1 for s in batch.chunks if s.samples]
         t2 = time.perf_counter()
         attention_before = self.backend.seconds
         hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend)
         self._sync()
         t3 = time.perf_counter()
+        dev = self.device
         logits = (
             self.model.logits(hidden[torch.tensor(last, device=dev)])
             if last
@@ -270,6 +245,56 @@ class ModelRunner:
         tm.attention += self.backend.seconds - attention_before
         tm.lm_head += t4 - t3
         return logits
+
+    def _layout(self, chunks: list[Chunk]) -> _Layout:
+        """The flattened batch in numpy: decode chunks first, then prefill chunks; each token's
+        position and KV slot, the padded block tables."""
+        decode = [s for s in chunks if s.num_new_tokens == 1]
+        order = decode + [s for s in chunks if s.num_new_tokens != 1]
+        bs = self.block_size
+        lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
+        starts = np.fromiter((s.start for s in order), dtype=np.int64, count=len(order))
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(order)), lens)
+        positions = starts[seq_of_token] + (np.arange(total) - cu[:-1][seq_of_token])
+        width = max(len(s.block_table) for s in order)
+        bt = np.full((len(order), width), self.null_block, dtype=np.int64)
+        for row, s in enumerate(order):
+            bt[row, : len(s.block_table)] = s.block_table
+        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
+        ids: list[int] = []
+        for s in order:
+            ids.extend(s.token_ids)
+        return _Layout(
+            order, len(decode), np.array(ids, dtype=np.int64), positions, slots, bt, cu, starts, seq_of_token
+        )
+
+    def _metadata(self, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata on the device, in the backend's layout:
+        per token for Triton, decode groups and prefill chunks for the torch backend."""
+        if self.per_token_layout:
+            bt_t, slots_t, input_ids, pos_t, rows_t, ctx_t = self.staging(
+                lay.tables, lay.slots, lay.ids, lay.positions, lay.seq_of_token, lay.positions + 1
+            )
+            meta = AttentionMetadata(slot_mapping=slots_t, num_decode=lay.num_decode)
+            meta.block_tables = bt_t
+            meta.token_rows = rows_t
+            meta.token_ctx = ctx_t
+            meta.max_context = int(lay.positions.max()) + 1
+            return input_ids, pos_t, meta
+        bt_t, slots_t, input_ids, pos_t = self.staging(lay.tables, lay.slots, lay.ids, lay.positions)
+        meta = AttentionMetadata(slot_mapping=slots_t, num_decode=lay.num_decode)
+        nd = lay.num_decode
+        if nd:
+            meta.decode_groups = self._decode_groups(lay.tables[:nd], lay.starts[:nd] + 1)
+        for row in range(nd, len(lay.order)):
+            s = lay.order[row]
+            end = s.start + s.num_new_tokens
+            nblocks = cdiv(end, self.block_size)
+            meta.prefills.append(PrefillChunk(int(lay.cu[row]), s.num_new_tokens, end, bt_t[row, :nblocks]))
+        return input_ids, pos_t, meta
 
     def _shared_prefixes(self, bt: np.ndarray, ctx: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Rows (at least 2) whose tables start with the same full blocks (at least
@@ -297,7 +322,7 @@ class ModelRunner:
         """Decode rows in groups that share leading blocks (each shared block is then read once for
         all the group's rows), batched by similar size so that padding wastes little."""
         bs = self.block_size
-        nblocks = -(-ctx // bs)
+        nblocks = cdiv(ctx, bs)
         shared = self._shared_prefixes(bt, ctx) if self.group_shared_prefixes else []
         alone = np.ones(len(ctx), dtype=bool)
         for rows, _ in shared:
