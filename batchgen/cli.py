@@ -49,6 +49,14 @@ def cmd_job(args: argparse.Namespace) -> int:
         return 2
     print(report.render())
     print(f"  output                       {cfg.output.path}")
+    limit = cfg.run.max_failed_fraction
+    if report.rows_in_output and report.failed_in_output > limit * report.rows_in_output:
+        print(
+            f"error: {report.failed_in_output} of {report.rows_in_output} rows failed, more than "
+            f"run.max_failed_fraction ({limit}); the rows are kept in {cfg.output.path}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -120,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="batchgen", description="Offline batch generation on a paged engine."
     )
+    from batchgen import __version__
+
+    parser.add_argument("--version", action="version", version=f"batchgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     job = sub.add_parser("job", help="run a job config (YAML or TOML)")
     job.add_argument("config")

@@ -145,7 +145,7 @@ def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | Non
         ]
     # warm-up outside the timing
     llm.generate([w.prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.engine._stats.clear()
+    llm.engine.reset_stats()
     t0 = time.perf_counter()
     outs = llm.generate(w.prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0

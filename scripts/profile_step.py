@@ -49,7 +49,7 @@ def main() -> None:
     for _ in range(4):  # prefill and the first decode steps
         eng.step()
     running = sum(len(g.live_seqs) for g in eng.scheduler.running)
-    eng._stats.clear()
+    eng.reset_stats()
     t = eng.runner.times
     t.copy = t.prepare = t.forward = t.attention = t.lm_head = 0.0
     t0 = time.perf_counter()

@@ -433,6 +433,10 @@ class LLMEngine:
         )
 
     # -- statistics ----------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Start the step counts, times and KV peaks afresh (benchmarks do after a warm-up)."""
+        self._stats.clear()
+
     def stats(self) -> dict[str, float | int | str]:
         tm = self.runner.times
         return {

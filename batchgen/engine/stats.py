@@ -23,6 +23,9 @@ class EngineStats:
         self.max_model_len = max_model_len
         self.values: defaultdict[str, float] = defaultdict(float)
 
+    def clear(self) -> None:
+        self.values.clear()
+
     @contextmanager
     def timed(self, key: str) -> Iterator[None]:
         """Add the time spent in the ``with`` block to ``key``."""

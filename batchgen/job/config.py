@@ -3,6 +3,7 @@ Every problem is collected into one ``ConfigError`` message (the CLI exits with 
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import json
@@ -12,10 +13,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import yaml
 
 from batchgen.config import EngineConfig
-from batchgen.job.source import column_names
+from batchgen.job.source import column_names, schema_of
 from batchgen.params import BeamSearchParams, SamplingParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
@@ -52,6 +54,8 @@ class RunConfig:
     progress: bool = True
     shard: str | None = None  # "INDEX/COUNT": take a deterministic slice of the input
     add_generation_prompt: bool = True
+    # a job whose output has more failed rows than this share exits 1 (its rows are kept)
+    max_failed_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,10 @@ def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML ({e.__class__.__name__})") from None
     return data
 
 
@@ -141,18 +148,26 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
     allowed = {f.name: f for f in fields(cls)}
     for key in raw:
         if key not in allowed:
-            problems.append(f"{name}.{key}: unknown key (allowed: {', '.join(allowed)})")
-    kwargs = {k: v for k, v in raw.items() if k in allowed}
-    for k, v in kwargs.items():
-        typ = str(allowed[k].type)
-        if v is None:
+            hint = difflib.get_close_matches(str(key), list(allowed), n=1)
+            problems.append(
+                f"{name}.{key}: unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + f" (allowed: {', '.join(allowed)})"
+            )
+    kwargs = {}
+    for k, v in raw.items():
+        if k not in allowed:
             continue
-        if (
+        typ = str(allowed[k].type)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if v is not None and (
             ("int" in typ and "str" not in typ and (not isinstance(v, int) or isinstance(v, bool)))
             or (typ in ("str", "str | None") and not isinstance(v, str))
             or (typ == "bool" and not isinstance(v, bool))
+            or (typ == "float" and not number)
         ):
             problems.append(f"{name}.{k}: wrong type {type(v).__name__} ({typ} expected)")
+            continue  # the default stands in, so that later checks see a value of the right type
+        kwargs[k] = v
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -228,6 +243,8 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
         if out.rows_per_shard < 1:
             problems.append("output.rows_per_shard: must be >= 1")
+    if not 0 <= run.max_failed_fraction <= 1:
+        problems.append(f"run.max_failed_fraction: must be in [0, 1], got {run.max_failed_fraction!r}")
     if run.shard is not None:
         try:
             parse_shard(run.shard)
@@ -289,10 +306,18 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
         return
     if names is None:
         return
+    if not names:
+        problems.append(f"input.path: {inp.path!r} holds no rows (the input is empty)")
+        return
     for key in ("prompt_column", "messages_column", "id_column", "params_column"):
         col = getattr(inp, key)
         if col and col not in names:
             problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")
+    schema = schema_of(files, fmt)
+    if inp.prompt_column and schema is not None and inp.prompt_column in schema.names:
+        typ = schema.field(inp.prompt_column).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
+            problems.append(f"input.prompt_column: column {inp.prompt_column!r} holds {typ}, not text")
 
 
 def detect_format(inp: InputConfig, files: list[str]) -> str:

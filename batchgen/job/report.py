@@ -12,6 +12,7 @@ class JobReport:
     rows_ok: int = 0
     rows_failed: int = 0
     skipped_duplicate_ids: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # failed rows of this run by message
     rows_in_output: int = 0
     failed_in_output: int = 0
     prompt_tokens: int = 0
@@ -59,6 +60,11 @@ class JobReport:
             f"  KV memory saved by sharing   {d['kv_saved_by_sharing']:.1%}   "
             f"(peak {d['peak_kv_blocks_used']} of {d['kv_blocks']} blocks)",
         ]
+        top = sorted(self.errors.items(), key=lambda kv: -kv[1])
+        for message, count in top[:5]:
+            lines.append(f"  failed x {count:<6}           {message[:100]}")
+        if len(top) > 5:
+            lines.append(f"  failed, {len(top) - 5} other messages  {sum(c for _, c in top[5:])} rows")
         if self.skipped_duplicate_ids:
             lines.append(f"  duplicate ids skipped        {self.skipped_duplicate_ids}")
         return "\n".join(lines)

@@ -563,6 +563,8 @@ class _MainLoop:
 
     def _fail(self, req: Request, error: str | None) -> None:
         self.report.rows_failed += 1
+        message = str(error)
+        self.report.errors[message] = self.report.errors.get(message, 0) + 1
         self.job._put(self.out_q, self.job._row(req, None, error), self.writer_errors)
         self.bar.update(1)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -13,16 +15,67 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(config: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m batchgen job CONFIG --no-progress EXTRA`` to the end. It is stopped (and the
+    test fails) only after ``idle_timeout`` seconds without progress, i.e. with no change in the
+    output directory: a slow or loaded machine makes a job slow, not a failure."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(
-        [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=config.parent,
-    )
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=env,
+            cwd=config.parent,
+        )
+        out_dir = _output_dir(config)
+        last, seen = time.monotonic(), _progress(out_dir)
+        while proc.poll() is None:
+            time.sleep(0.1)
+            now = _progress(out_dir)
+            if now != seen:
+                last, seen = time.monotonic(), now
+            elif time.monotonic() - last > idle_timeout:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(proc.args, idle_timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def finish_job(proc: subprocess.Popen, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
+    """Wait for a job started with pipes to end, for as long as it makes progress in ``out_dir``;
+    returns its (stdout, stderr)."""
+    last, seen = time.monotonic(), _progress(out_dir)
+    while proc.poll() is None:
+        time.sleep(0.1)
+        now = _progress(out_dir)
+        if now != seen:
+            last, seen = time.monotonic(), now
+        elif time.monotonic() - last > idle_timeout:
+            proc.kill()
+            raise subprocess.TimeoutExpired(proc.args, idle_timeout)
+    return proc.communicate()
+
+
+def _output_dir(config: Path) -> Path | None:
+    try:
+        path = yaml.safe_load(config.read_text())["output"]["path"]
+    except Exception:  # noqa: BLE001 - a test of a broken config
+        return None
+    return (config.parent / path) if not Path(path).is_absolute() else Path(path)
+
+
+def _progress(out_dir: Path | None) -> tuple:
+    """What changes while a job works: its output files and their sizes."""
+    if out_dir is None or not out_dir.is_dir():
+        return ()
+    try:
+        return tuple(sorted((p.name, p.stat().st_size) for p in out_dir.iterdir()))
+    except OSError:
+        return ()
 
 
 def write_config(tmp: Path, model: str, input_spec: dict, generation: dict, name="job.yaml", **more) -> Path:

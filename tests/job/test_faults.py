@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.job.helpers import ROOT, read_output, run_job, write_config
+from tests.job.helpers import ROOT, finish_job, read_output, run_job, write_config
 
 GEN = {"n": 2, "temperature": 1.0, "max_tokens": 24, "seed": 3, "ignore_eos": True}
 SLOW = {"engine": {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 256}}
@@ -190,7 +190,7 @@ def test_an_input_truncated_mid_run_fails_clearly_and_a_rerun_completes(tmp_path
     wait_until(engine_running(out), proc, "the model loaded")
     with open(data, "r+") as f:  # cut it mid-line, as a copy still in progress would
         f.truncate(len(text) // 3 + 5)
-    _, err = proc.communicate(timeout=300)
+    _, err = finish_job(proc, out)
     assert proc.returncode == 1, err
     assert "Traceback" not in err and f"input file {data} changed while the job was reading it" in err, err
     written = read_output(out)
@@ -232,7 +232,7 @@ def test_a_second_job_on_the_same_output_is_refused(tmp_path, llama_dir):
     assert second.returncode == 2, second.stderr
     assert "another batchgen job is writing to this output directory" in second.stderr
     assert f"locked by pid {first.pid}" in second.stderr
-    _, err = first.communicate(timeout=300)
+    _, err = finish_job(first, out)
     assert first.returncode == 0, err
     assert_every_id_once(out, n)
 
@@ -249,7 +249,7 @@ def test_workers_of_a_sharded_job_share_a_directory_but_not_an_index(tmp_path, l
     whole = run_job(config)
     assert whole.returncode == 2 and "another batchgen job is writing to this output directory" in whole.stderr, whole.stderr
     for w in workers:
-        _, err = w.communicate(timeout=300)
+        _, err = finish_job(w, out)
         assert w.returncode == 0, err
     assert_every_id_once(out, n)
     for i in range(2):

@@ -1,0 +1,72 @@
+"""The job command as a user meets it: config mistakes are config errors (exit 2, one message, no
+traceback), an empty or mistyped input is named, a job whose rows mostly failed exits 1 with its
+failures grouped by message, and ``--version``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.job.helpers import ROOT, run_job, write_config
+
+GEN = {"temperature": 0, "max_tokens": 2}
+
+
+def parquet(tmp_path, rows, name="in.parquet"):
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_bad_set_values_and_unknown_keys_are_config_errors(tmp_path, llama_dir):
+    data = parquet(tmp_path, [{"prompt": "the cat"}])
+    config = write_config(tmp_path, llama_dir, {"path": data, "prompt_colum": "prompt"}, GEN, output={"pth": 1})
+    res = run_job(config, "--set", "input.batch_rows=abc")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    for needle in (
+        "input.batch_rows: wrong type str",
+        "input.prompt_colum: unknown key (did you mean 'prompt_column'?)",
+        "output.pth: unknown key (did you mean 'path'?)",
+    ):
+        assert needle in res.stderr, res.stderr
+    res = run_job(config, "--set", "generation.stop=[unclosed")
+    assert res.returncode == 2 and "not valid YAML" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_an_empty_input_and_a_prompt_column_that_is_not_text_are_named(tmp_path, llama_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = write_config(tmp_path, llama_dir, {"path": str(empty), "prompt_column": "text"}, GEN)
+    res = run_job(config)
+    assert res.returncode == 2 and "holds no rows (the input is empty)" in res.stderr, res.stderr
+    ints = parquet(tmp_path, [{"prompt": 1}, {"prompt": 2}], "ints.parquet")
+    config = write_config(tmp_path, llama_dir, {"path": ints, "prompt_column": "prompt"}, GEN, name="i.yaml")
+    res = run_job(config)
+    assert res.returncode == 2 and "column 'prompt' holds int64, not text" in res.stderr, res.stderr
+
+
+def test_a_job_whose_rows_mostly_failed_exits_1_with_errors_grouped(tmp_path, llama_dir):
+    rows = [{"id": i, "prompt": "" if i % 4 else "the cat"} for i in range(8)]
+    config = write_config(tmp_path, llama_dir, {"path": parquet(tmp_path, rows), "prompt_column": "prompt",
+                                                "id_column": "id"}, GEN)
+    res = run_job(config)
+    assert res.returncode == 1, res.stderr
+    assert "6 of 8 rows failed, more than run.max_failed_fraction (0.5)" in res.stderr
+    assert "failed x 6" in res.stdout and "prompt is empty" in res.stdout
+    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    assert report["errors"] == {"prompt is empty": 6}
+    # a higher limit lets the same output pass
+    res = run_job(config, "--set", "run.max_failed_fraction=0.9")
+    assert res.returncode == 0, res.stderr
+
+
+def test_version():
+    res = subprocess.run([sys.executable, "-m", "batchgen", "--version"], capture_output=True, text=True,
+                         cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    from batchgen import __version__
+
+    assert res.returncode == 0 and res.stdout.strip() == f"batchgen {__version__}", res

@@ -1,0 +1,80 @@
+"""The import graph of ``batchgen`` and ``kernels``: no cycle between modules, and the layers import
+downwards only (``model/`` and ``kernels/`` never import ``engine/``, nothing below the job runner
+imports ``job/``). Every import counts, at module level or inside a function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("batchgen", "kernels")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != mod and not mod.startswith(name + "."):
+                    graph[mod].add(name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return stack[stack.index(n) :] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_layers_import_downwards_only():
+    forbidden = {
+        "batchgen.model": ("batchgen.engine", "batchgen.job", "batchgen.llm"),
+        "kernels": ("batchgen.engine", "batchgen.job", "batchgen.llm", "batchgen.model"),
+        "batchgen.engine": ("batchgen.job", "batchgen.llm"),
+        "batchgen.step": ("batchgen.engine", "batchgen.model"),
+    }
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in import_graph().items()
+        for dep in deps
+        for low, above in forbidden.items()
+        if (mod == low or mod.startswith(low + ".")) and any(dep == a or dep.startswith(a + ".") for a in above)
+    ]
+    assert not wrong, wrong
