@@ -43,6 +43,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     num_threads: int | None = None
     debug_checks: bool = False
+    tokenizer: str | None = None  # a tokenizer directory other than the model's
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:

@@ -41,3 +41,23 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     error: str | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of ``LLM.beam_search`` in vLLM's shape: ``tokens`` are the prompt's and the
+    generated ones, ``text`` the generated text; ``score`` is transformers' length-penalized score."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    score: float | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The hypotheses of one prompt, best first (vLLM's ``BeamSearchOutput``)."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

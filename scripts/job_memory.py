@@ -88,7 +88,7 @@ def main() -> None:
         peak_kb = int(
             next(line.split()[1] for line in res.stdout.splitlines() if line.startswith("PEAK_RSS_KB"))
         )
-        report = json.loads((tmp / f"out-{n}" / "_report.json").read_text())
+        report = json.loads((tmp / f"out-{n}" / ".batchgen" / "report.json").read_text())
         results[n] = {
             "peak_rss_mib": round(peak_kb / 1024, 1),
             "rows_in_output": report["rows_in_output"],

@@ -61,7 +61,7 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.hf_config = load_config(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.max_model_len = cfg.max_model_len or int(self.hf_config.max_position_embeddings)
         self.runner = ModelRunner(cfg, self.hf_config, self.max_model_len)
         self.vocab_size = self.runner.model.vocab_size

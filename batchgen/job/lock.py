@@ -1,11 +1,12 @@
 """One writer per output directory (per ``run.shard`` index when the job is sharded).
 
-Advisory ``flock`` locks on files in the output directory, released by the kernel when the process
-ends however it ends (SIGKILL included), so a crashed job never leaves a stale lock behind:
+Advisory ``flock`` locks on files in the output's bookkeeping directory (``OUT/.batchgen``),
+released by the kernel when the process ends however it ends (SIGKILL included), so a crashed job
+never leaves a stale lock behind:
 
-* ``_lock``: an unsharded job holds it exclusively; each worker of a sharded job holds it shared,
+* ``lock``: an unsharded job holds it exclusively; each worker of a sharded job holds it shared,
   so the workers of one job can share a directory but a plain job cannot join them.
-* ``_lock-IIIII-of-NNNNN``: a sharded worker holds its own index's lock exclusively, so two workers
+* ``lock-IIIII-of-NNNNN``: a sharded worker holds its own index's lock exclusively, so two workers
   of the same index never write at once.
 """
 
@@ -35,11 +36,11 @@ class OutputLock:
             raise OutputWriteError(self.dir, e) from e
         try:
             if self.shard is None:
-                self._take("_lock", fcntl.LOCK_EX, "another batchgen job is writing to this output directory")
+                self._take("lock", fcntl.LOCK_EX, "another batchgen job is writing to this output directory")
             else:
                 i, n = self.shard
-                self._take("_lock", fcntl.LOCK_SH, "an unsharded batchgen job is writing to this output directory")
-                self._take(f"_lock-{i:05d}-of-{n:05d}", fcntl.LOCK_EX, f"another worker of shard {i}/{n} is running")
+                self._take("lock", fcntl.LOCK_SH, "an unsharded batchgen job is writing to this output directory")
+                self._take(f"lock-{i:05d}-of-{n:05d}", fcntl.LOCK_EX, f"another worker of shard {i}/{n} is running")
         except OutputLocked:
             self.release()
             raise

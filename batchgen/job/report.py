@@ -1,8 +1,8 @@
-"""The end-of-job report: printed, and saved as ``report.json`` beside the shards."""
+"""The end-of-job report: printed, and saved as ``.batchgen/report.json`` in the output directory."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -19,6 +19,12 @@ class JobReport:
     generated_tokens: int = 0
     wall_s: float = 0.0
     engine: dict = field(default_factory=dict)
+    nothing_to_do: int = 0  # set (to the rows already done) when a rerun found every row done
+
+    @classmethod
+    def from_dict(cls, d: dict) -> JobReport:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,7 +52,13 @@ class JobReport:
     def render(self) -> str:
         d = self.to_dict()
         lines = [
-            "batchgen job report",
+            "batchgen job report"
+            + (
+                f"\n  nothing to do: all rows are in the output (resumed: {self.nothing_to_do} rows were "
+                "already done); the report of the run that finished them follows"
+                if self.nothing_to_do
+                else ""
+            ),
             f"  rows ok / failed (this run)  {self.rows_ok} / {self.rows_failed}"
             + (
                 f"   (resumed: {self.rows_previously_done} rows were already done)"

@@ -37,6 +37,7 @@ from batchgen.outputs import RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
 _END = object()
+BOOKKEEPING_DIR = ".batchgen"  # manifest, report and locks, inside the output directory
 QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
 
 
@@ -134,8 +135,12 @@ class JobRunner:
         self.shard = parse_shard(cfg.run.shard)
         # a sharded job's workers share the directory: every file of theirs carries the index
         tag = "" if self.shard is None else f"-{self.shard[0]:05d}-of-{self.shard[1]:05d}"
-        self.manifest_path = self.out_dir / f"_manifest{tag}.json"  # "_": dataset readers skip it
-        self.report_path = self.out_dir / f"_report{tag}.json"
+        # Bookkeeping lives in a hidden directory, which dataset readers (pyarrow, pandas,
+        # datasets.load_dataset with data_dir) skip: the output directory reads as one dataset.
+        self.meta_dir = self.out_dir / BOOKKEEPING_DIR
+        self.manifest_path = self.meta_dir / f"manifest{tag}.json"
+        self.report_path = self.meta_dir / f"report{tag}.json"
+        self.legacy_manifest = self.out_dir / f"_manifest{tag}.json"  # where versions before 0.2 kept it
         self.shard_prefix = f"part{tag}"
 
     # -- resume / refuse -----------------------------------------------------------------------
@@ -143,9 +148,10 @@ class JobRunner:
         """Refuse a directory holding another config's run (or clear it with ``--overwrite``),
         remove what an earlier crash left half-written, and open the shard sink."""
         fingerprint = self.cfg.fingerprint()
-        if self.manifest_path.exists():
+        previous = next((p for p in (self.manifest_path, self.legacy_manifest) if p.exists()), None)
+        if previous is not None:
             try:
-                old = json.loads(self.manifest_path.read_text()).get("fingerprint", {})
+                old = json.loads(previous.read_text()).get("fingerprint", {})
             except ValueError:
                 old = {}  # an unreadable manifest: the shards are the record, rewrite it
             if old and old != fingerprint:
@@ -169,17 +175,14 @@ class JobRunner:
     def _discard_output(self) -> None:
         """``--overwrite``: remove this job's (or this worker's) shards and bookkeeping; the lock
         files stay, and so do other workers' files of a sharded job."""
-        for path in self.out_dir.iterdir():
-            name = path.name.lstrip(".")
-            if name.startswith("_lock"):
-                continue
-            mine = (
-                name.startswith(self.shard_prefix + "-")
-                or name.startswith(self.manifest_path.name)
-                or name.startswith(self.report_path.name)
-            )
-            if self.shard is None or mine:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        mine = (self.shard_prefix + "-", self.manifest_path.name, self.report_path.name, self.legacy_manifest.name)
+        for folder in (self.out_dir, self.meta_dir):
+            for path in folder.iterdir():
+                name = path.name.lstrip(".")
+                if path == self.meta_dir or name.startswith("lock"):
+                    continue
+                if self.shard is None or name.startswith(mine):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _write_manifest(self, sink: ShardSink | None = None) -> None:
         """Record the config's fingerprint and every shard on disk with its row count. The shards
@@ -410,7 +413,7 @@ class JobRunner:
         ``JobRefused`` for another config's output, ``JobInterrupted`` on SIGTERM / SIGINT (after
         saving the finished rows), ``OutputWriteError`` when the output cannot be written,
         ``InputChanged`` / ``JobIncomplete`` when the input changed under it."""
-        with OutputLock(self.out_dir, self.shard), StopSignals() as signals:
+        with OutputLock(self.meta_dir, self.shard), StopSignals() as signals:
             return self._run(signals)
 
     def _run(self, signals: StopSignals) -> JobReport:
@@ -419,6 +422,8 @@ class JobRunner:
         t_start = time.perf_counter()
         state = input_state(self.files)
         total = self._count_input_rows()
+        if total is not None and len(done) >= total:
+            return self._nothing_to_do(sink, total, len(done))
         engine = LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
         self._write_manifest()  # only once the model loaded: a failed start leaves no manifest
         cap = self.cfg.run.max_rows_in_flight or 4 * engine.cfg.max_num_seqs
@@ -472,6 +477,18 @@ class JobRunner:
                 f"the input had {total} rows when the job started but {counts['rows_read']} were read; "
                 f"{report.rows_in_output} rows are in {self.out_dir}. Rerun once the input is stable"
             )
+        return report
+
+    def _nothing_to_do(self, sink: ShardSink, total: int, done: int) -> JobReport:
+        """Every row is already in the output: no model is loaded, the manifest is made true, and
+        the saved report (of the run that finished the rows) is kept and returned."""
+        self._write_manifest(sink)
+        try:
+            report = JobReport.from_dict(json.loads(self.report_path.read_text()))
+        except (OSError, ValueError, TypeError):
+            report = JobReport(rows_total=total)
+        report.rows_in_output, report.failed_in_output = sink.totals()
+        report.nothing_to_do = done
         return report
 
     def _count_input_rows(self) -> int | None:

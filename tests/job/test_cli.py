@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,7 +58,7 @@ def test_a_job_whose_rows_mostly_failed_exits_1_with_errors_grouped(tmp_path, ll
     assert res.returncode == 1, res.stderr
     assert "6 of 8 rows failed, more than run.max_failed_fraction (0.5)" in res.stderr
     assert "failed x 6" in res.stdout and "prompt is empty" in res.stdout
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["errors"] == {"prompt is empty": 6}
     # a higher limit lets the same output pass
     res = run_job(config, "--set", "run.max_failed_fraction=0.9")
@@ -70,3 +71,33 @@ def test_version():
     from batchgen import __version__
 
     assert res.returncode == 0 and res.stdout.strip() == f"batchgen {__version__}", res
+
+
+def test_the_output_reads_as_one_dataset_with_each_reader(tmp_path, llama_dir):
+    rows = [{"id": i, "prompt": "the cat" if i % 3 else ""} for i in range(9)]
+    config = write_config(tmp_path, llama_dir, {"path": parquet(tmp_path, rows), "prompt_column": "prompt",
+                                                "id_column": "id"}, GEN, output={"rows_per_shard": 4})
+    assert run_job(config).returncode == 0
+    out = tmp_path / "out"
+    import datasets
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    ds = datasets.load_dataset("parquet", data_dir=str(out), split="train", cache_dir=str(tmp_path / "hf"))
+    assert sorted(ds["id"]) == list(range(9))
+    assert sorted(pd.read_parquet(out)["id"]) == list(range(9))
+    assert pads.dataset(out, format="parquet").count_rows() == 9
+
+
+def test_a_failed_start_leaves_no_manifest_and_the_corrected_run_goes_ahead(tmp_path, llama_dir):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((Path(llama_dir) / name).read_bytes())
+    config = write_config(tmp_path, str(broken), {"path": parquet(tmp_path, [{"prompt": "the cat"}]),
+                                                  "prompt_column": "prompt"}, GEN)
+    res = run_job(config)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out" / ".batchgen" / "manifest.json").exists()
+    res = run_job(config, "--set", f"model={llama_dir}")
+    assert res.returncode == 0, res.stderr

@@ -58,7 +58,7 @@ def wait_until(predicate, proc: subprocess.Popen | None = None, what: str = "") 
         time.sleep(0.05)
 
 
-def engine_running(out: Path, manifest: str = "_manifest.json"):
+def engine_running(out: Path, manifest: str = ".batchgen/manifest.json"):
     """The manifest is written once the model has loaded: from then on rows flow."""
     return lambda: (out / manifest).exists()
 
@@ -97,7 +97,7 @@ def test_a_signal_saves_finished_rows_and_exits_with_one_line(tmp_path, llama_di
     assert 0 < saved < n
     assert f"interrupted by {sig.name}: {saved} rows saved" in err and "rerun the same command to resume" in err
     assert took < 60
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads((out / ".batchgen" / "manifest.json").read_text())
     assert manifest["shards"] == shard_rows_on_disk(out)
 
     res = run_job(config)
@@ -150,20 +150,20 @@ def test_a_full_disk_fails_with_one_line_and_the_next_run_completes(tmp_path, ll
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert f"error: cannot write {out}/" in res.stderr and "No space left on device" in res.stderr
     # the manifest lists only shards that are on disk (the shards are what resume trusts)
-    manifest = json.loads((out / "_manifest.json").read_text())
+    manifest = json.loads((out / ".batchgen" / "manifest.json").read_text())
     on_disk = shard_rows_on_disk(out)
     assert 0 < len(on_disk) < n / 4
     assert manifest["shards"].items() <= on_disk.items()
-    assert not list(out.glob(".*.tmp")), "a failed write left its temp file"
+    assert not list(out.rglob(".*.tmp")), "a failed write left its temp file"
     # room again; what a crash mid-write would leave behind is cleaned by the next run
     subprocess.run(["mount", "-o", "remount,size=16m", str(tmpfs)], check=True)
     (out / ".part-000999.parquet.tmp").write_bytes(b"x")
-    (out / "._manifest.json.tmp").write_bytes(b"x")
+    (out / ".batchgen" / ".manifest.json.tmp").write_bytes(b"x")
     res = run_job(config)
     assert res.returncode == 0, res.stderr
     assert_every_id_once(out, n)
-    assert not list(out.glob(".*.tmp"))
-    assert json.loads((out / "_manifest.json").read_text())["shards"] == shard_rows_on_disk(out)
+    assert not list(out.rglob(".*.tmp"))
+    assert json.loads((out / ".batchgen" / "manifest.json").read_text())["shards"] == shard_rows_on_disk(out)
 
 
 def test_a_read_only_output_fails_with_one_line(tmp_path, llama_dir, tmpfs):
@@ -243,7 +243,7 @@ def test_workers_of_a_sharded_job_share_a_directory_but_not_an_index(tmp_path, l
     config = write_config(tmp_path, llama_dir, spec, GEN, output={"rows_per_shard": 4, "flush_seconds": 0.5}, **SLOW)
     out = tmp_path / "out"
     workers = [start_job(config, "--set", f"run.shard={i}/2") for i in range(2)]
-    wait_until(engine_running(out, "_manifest-00000-of-00002.json"), workers[0], "worker 0 loaded")
+    wait_until(engine_running(out, ".batchgen/manifest-00000-of-00002.json"), workers[0], "worker 0 loaded")
     same = run_job(config, "--set", "run.shard=0/2")
     assert same.returncode == 2 and "another worker of shard 0/2 is running" in same.stderr, same.stderr
     whole = run_job(config)
@@ -253,20 +253,23 @@ def test_workers_of_a_sharded_job_share_a_directory_but_not_an_index(tmp_path, l
         assert w.returncode == 0, err
     assert_every_id_once(out, n)
     for i in range(2):
-        manifest = json.loads((out / f"_manifest-{i:05d}-of-00002.json").read_text())
+        manifest = json.loads((out / ".batchgen" / f"manifest-{i:05d}-of-00002.json").read_text())
         assert sum(manifest["shards"].values()) == n // 2
         assert all(name.startswith(f"part-{i:05d}-of-00002-") for name in manifest["shards"])
 
 
-def test_the_rerun_of_a_finished_job_keeps_its_manifest_true(tmp_path, llama_dir):
+def test_the_rerun_of_a_finished_job_keeps_its_manifest_and_report(tmp_path, llama_dir):
     config = write_config(tmp_path, llama_dir, parquet_input(tmp_path, 12), GEN, output={"rows_per_shard": 5})
     assert run_job(config).returncode == 0
     out = tmp_path / "out"
-    before = json.loads((out / "_manifest.json").read_text())["shards"]
+    before = json.loads((out / ".batchgen" / "manifest.json").read_text())["shards"]
+    report = (out / ".batchgen" / "report.json").read_text()
     assert before == shard_rows_on_disk(out) and sum(before.values()) == 12
     res = run_job(config)
     assert res.returncode == 0, res.stderr
-    assert json.loads((out / "_manifest.json").read_text())["shards"] == before
+    assert "nothing to do: all rows are in the output (resumed: 12 rows were already done)" in res.stdout
+    assert json.loads((out / ".batchgen" / "manifest.json").read_text())["shards"] == before
+    assert (out / ".batchgen" / "report.json").read_text() == report, "the real run's report was replaced"
 
 
 def test_an_engine_error_on_one_request_becomes_that_rows_error(tmp_path, llama_dir, monkeypatch):

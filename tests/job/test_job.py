@@ -81,9 +81,9 @@ def test_input_formats_and_bad_rows(tmp_path, llama_dir, fmt):
     assert res.returncode == 0, res.stderr
     assert "rows ok / failed (this run)  5 / 3" in res.stdout
     check_rows(read_output(tmp_path / "out"))
-    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / ".batchgen" / "manifest.json").read_text())
     assert sum(manifest["shards"].values()) == len(ROWS) and manifest["fingerprint"]["generation"] == GEN
-    report = json.loads((tmp_path / "out" / "_report.json").read_text())
+    report = json.loads((tmp_path / "out" / ".batchgen" / "report.json").read_text())
     assert report["rows_ok"] == 5 and report["rows_failed"] == 3 and report["generated_tokens"] == 40
 
 

@@ -1,0 +1,63 @@
+"""Habits of vLLM's offline ``LLM`` that batchgen accepts with vLLM's names and shapes:
+``sampling_params=``, prompt dicts, ``chat``, ``beam_search``, ``get_tokenizer``, and the engine
+keywords that map onto batchgen's (with clear refusals for those that do not)."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen import LLM, BeamSearchParams, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+
+
+def ids_of(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_sampling_params_keyword_and_prompt_dicts(llm):
+    want = llm.generate(["the cat", [5, 6, 7]], GREEDY)
+    got = llm.generate([{"prompt": "the cat"}, {"prompt_token_ids": [5, 6, 7]}], sampling_params=GREEDY)
+    assert ids_of(got) == ids_of(want)
+    assert llm.generate({"prompt": "the cat"}, sampling_params=GREEDY)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="params or sampling_params"):
+        llm.generate(["x"], GREEDY, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
+        llm.generate([{"text": "x"}], GREEDY)
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    want = llm.generate([tok(text, add_special_tokens=False)["input_ids"]], GREEDY)
+    one = llm.chat(conv, GREEDY)
+    both = llm.chat([conv, [{"role": "user", "content": "yo"}]], GREEDY)
+    assert ids_of(one) == ids_of(want) == ids_of(both[:1]) and one[0].prompt == text
+    assert len(both) == 2 and both[1].outputs[0].token_ids
+
+
+def test_beam_search_has_vllms_shape(llm):
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    want = llm.generate(["the quick brown fox"], params)[0]
+    got = llm.beam_search(["the quick brown fox"], params)[0]
+    assert [s.tokens for s in got.sequences] == [want.prompt_token_ids + c.token_ids for c in want.outputs]
+    assert [s.score for s in got.sequences] == [c.score for c in want.outputs]
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search(["x"], GREEDY)
+
+
+def test_vllm_engine_keywords(llama_dir):
+    llm = LLM(llama_dir, swap_space=0.5, enforce_eager=True, tokenizer=llama_dir, tensor_parallel_size=1,
+              trust_remote_code=False, num_kv_blocks=16)
+    assert llm.config.swap_space_gb == 0.5 and llm.config.cuda_graphs is False and llm.config.tokenizer is None
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: batchgen runs one engine per device"):
+        LLM(llama_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        LLM(llama_dir, trust_remote_code=True)
