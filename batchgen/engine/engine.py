@@ -267,6 +267,7 @@ class LLMEngine:
             logits = logits[torch.tensor(row_index, device=logits.device)]
         with self._stats.timed("sampler_s"):
             result = sample(logits, rows)
+        self._stats.values["generated_tokens"] += len(targets)
         for seq, tok, lp, top in zip(
             targets, result.tokens, result.logprobs, result.top_logprobs, strict=True
         ):
@@ -350,6 +351,7 @@ class LLMEngine:
                 used.add(parent.seq_id)
                 target = parent
             assigned.append((target, tok, score))
+        self._stats.values["generated_tokens"] += len(assigned)
         for target, tok, score in assigned:
             target.token_ids.append(tok)
             target.cumulative_logprob = score
@@ -433,6 +435,11 @@ class LLMEngine:
         )
 
     # -- statistics ----------------------------------------------------------------------------
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens sampled so far (every sample's and beam's), finished requests or not."""
+        return int(self._stats.values["generated_tokens"])
+
     def reset_stats(self) -> None:
         """Start the step counts, times and KV peaks afresh (benchmarks do after a warm-up)."""
         self._stats.clear()

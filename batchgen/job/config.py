@@ -222,7 +222,7 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     if not isinstance(model, str) or not model:
         problems.append("model: required, the path of a local Hugging Face model directory")
     elif not Path(model).is_dir():
-        problems.append(f"model: directory {model!r} does not exist")
+        problems.append(f"model: directory {model!r} does not exist{_relative_note(model)}")
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
         problems.append(
@@ -269,6 +269,13 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     )
 
 
+def _relative_note(path: str) -> str:
+    """Relative paths in a config are read from the working directory, not the config's folder."""
+    if Path(path).is_absolute():
+        return ""
+    return f" (relative paths are read from the working directory, {os.getcwd()})"
+
+
 def _mapping(data: dict[str, Any], name: str, problems: list[str], check: Callable[[dict], object]) -> dict:
     """The section ``name`` as a dict (empty when absent), after ``check`` accepted it."""
     value = data.get(name) or {}
@@ -290,7 +297,7 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
         problems.append("input.batch_rows: must be >= 1")
     files = input_files(inp.path)
     if not files:
-        problems.append(f"input.path: nothing found at {inp.path!r}")
+        problems.append(f"input.path: nothing found at {inp.path!r}{_relative_note(inp.path)}")
     fmt = detect_format(inp, files) if files and inp.format in INPUT_FORMATS else inp.format
     if fmt == "openai":
         return

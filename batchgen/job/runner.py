@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from batchgen.outputs import RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
 _END = object()
+RATE_WINDOW_S = 30.0  # the progress bar's tokens/s is measured over this many recent seconds
 BOOKKEEPING_DIR = ".batchgen"  # manifest, report and locks, inside the output directory
 QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
 
@@ -448,6 +450,7 @@ class JobRunner:
             desc="batchgen",
             disable=not self.cfg.run.progress,
             dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
         )
         loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap)
         signals.graceful = True  # from here on a signal stops the loop and the rows are saved
@@ -533,6 +536,9 @@ class _MainLoop:
         self.in_flight: dict[str, Request] = {}
         self.reading = True
         self.t0 = time.perf_counter()
+        self.rate_window: deque[tuple[float, int]] = deque()  # (time, generated tokens) of recent steps
+        self.shown = 0.0
+        self.tokens_per_row = self._expected_tokens_per_row()
 
     def run(self, signals: StopSignals) -> None:
         while signals.received is None:
@@ -585,11 +591,38 @@ class _MainLoop:
         self.job._put(self.out_q, self.job._row(req, None, error), self.writer_errors)
         self.bar.update(1)
 
+    def _expected_tokens_per_row(self) -> float:
+        gen = self.job.cfg.generation
+        width = gen.get("beam_width") or gen.get("n") or 1
+        return float((gen.get("max_tokens") or 16) * width)
+
     def _show_rates(self) -> None:
-        elapsed = time.perf_counter() - self.t0
-        if elapsed > 0:
-            self.bar.set_postfix_str(
-                f"in {self.report.prompt_tokens / elapsed:.0f} tok/s, "
-                f"out {self.report.generated_tokens / elapsed:.0f} tok/s",
-                refresh=False,
-            )
+        """At most twice a second: rows in flight, tokens generated (finished rows or not), the
+        rate over the last 30 s, and an ETA from the tokens still to generate (rows left times the
+        mean tokens of the rows finished so far, or max_tokens x n before any finished)."""
+        now = time.perf_counter()
+        if now - self.shown < 0.5:
+            return
+        self.shown = now
+        tokens = self.engine.generated_tokens
+        window = self.rate_window
+        window.append((now, tokens))
+        while len(window) > 2 and now - window[0][0] > RATE_WINDOW_S:
+            window.popleft()
+        rate = (tokens - window[0][1]) / (now - window[0][0]) if now > window[0][0] else 0.0
+        finished = self.report.rows_ok
+        per_row = self.report.generated_tokens / finished if finished else self.tokens_per_row
+        eta = ""
+        if self.bar.total is not None and rate > 0:
+            rows_left = max(self.bar.total - self.bar.n, 0)
+            left = max(rows_left * per_row - (tokens - self.report.generated_tokens), 0.0)
+            eta = f", ETA {_clock(left / rate)}"
+        self.bar.set_postfix_str(
+            f"{len(self.in_flight)} in flight, {tokens} tokens, {rate:.0f} tok/s{eta}", refresh=True
+        )
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"

@@ -186,8 +186,9 @@ class ShardSink:
                     [{k: v for k, v in r.items() if k not in {o.name for o in OUTPUT_FIELDS}} for r in rows]
                 )
                 fields = list(probe.schema)
-            if self.id_key not in [f.name for f in fields]:
-                fields.append(pa.field(self.id_key, pa.int64()))
+            for key in dict.fromkeys((self.id_key, "row_index")):  # every row names its input position
+                if key not in [f.name for f in fields]:
+                    fields.append(pa.field(key, pa.int64()))
             self.schema = pa.schema(fields + OUTPUT_FIELDS)
         try:
             return pa.Table.from_pylist(rows, schema=self.schema)
@@ -201,8 +202,12 @@ class ShardSink:
                 except (pa.ArrowInvalid, pa.ArrowTypeError):
                     clean = dict(r)
                     for f in self.schema:
+                        value = clean.get(f.name)
+                        if pa.types.is_string(f.type) and value is not None and not isinstance(value, str):
+                            # a column whose values disagree in type is text: keep them as JSON
+                            clean[f.name] = value = json.dumps(value, ensure_ascii=False, default=str)
                         try:
-                            pa.array([clean.get(f.name)], type=f.type)
+                            pa.array([value], type=f.type)
                         except (pa.ArrowInvalid, pa.ArrowTypeError):
                             clean[f.name] = None
                     fixed.append(clean)

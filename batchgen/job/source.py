@@ -119,11 +119,39 @@ def count_rows(files: list[str], fmt: str) -> int | None:
 
 
 def schema_of(files: list[str], fmt: str) -> pa.Schema | None:
+    """The input's schema, which the output's input columns follow. For JSONL: the union of the
+    keys of every line, in order of first appearance, each typed from its values (text where they
+    disagree), so that no key is lost and every shard of a job has one schema."""
     if fmt in ("parquet", "arrow"):
         return _arrow_dataset(files, fmt).schema
     if fmt == "hf":
         return _hf_dataset(files).data.schema
+    if fmt == "jsonl":
+        return _jsonl_schema(files)
     return None
+
+
+_SCHEMA_SAMPLES = 512  # values per key that decide its type
+
+
+def _jsonl_schema(files: list[str]) -> pa.Schema:
+    samples: dict[str, list[Any]] = {}
+    for batch in _iter_jsonl(files, 4096):
+        for row in batch:
+            if "__error__" in row:
+                continue
+            for key, value in row.items():
+                values = samples.setdefault(key, [])
+                if value is not None and len(values) < _SCHEMA_SAMPLES:
+                    values.append(value)
+    fields = []
+    for key, values in samples.items():
+        try:
+            typ = pa.array(values).type if values else pa.string()
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            typ = pa.string()
+        fields.append(pa.field(key, pa.string() if pa.types.is_null(typ) else typ))
+    return pa.schema(fields)
 
 
 def iter_rows(files: list[str], fmt: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:

@@ -5,6 +5,7 @@ failures grouped by message, and ``--version``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,48 @@ def test_a_failed_start_leaves_no_manifest_and_the_corrected_run_goes_ahead(tmp_
     assert not (tmp_path / "out" / ".batchgen" / "manifest.json").exists()
     res = run_job(config, "--set", f"model={llama_dir}")
     assert res.returncode == 0, res.stderr
+
+
+def test_jsonl_output_schema_comes_from_every_line_of_the_input(tmp_path, llama_dir):
+    """A malformed first line, a key that only a later line has, and a column whose values
+    disagree in type: every shard has the same schema, with every input column and the id typed
+    as in the input, and a rerun adds nothing."""
+    import pandas as pd
+
+    lines = ["{broken", json.dumps({"id": 1, "prompt": "the cat", "tag": 5})]
+    lines += [json.dumps({"id": i, "prompt": "a dog", "tag": "x"}) for i in range(2, 6)]
+    lines += [json.dumps({"id": 6, "prompt": "fox", "late": True, "tag": 7})]
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    config = write_config(tmp_path, llama_dir, {"path": str(data), "prompt_column": "prompt", "id_column": "id"},
+                          GEN, output={"rows_per_shard": 2})
+    assert run_job(config).returncode == 0
+    out = tmp_path / "out"
+    schemas = {pq.read_schema(p).to_string() for p in out.glob("part-*.parquet")}
+    assert len(schemas) == 1 and len(list(out.glob("part-*.parquet"))) > 1
+    table = pd.read_parquet(out)
+    assert {"id", "prompt", "tag", "late", "row_index", "error"} <= set(table.columns)
+    assert str(table["id"].dtype).startswith(("int", "Int", "float"))
+    by_pos = {int(r.row_index): r for r in table.itertuples()}
+    assert "invalid JSON" in by_pos[0].error and by_pos[6].late is True and by_pos[1].tag == "5"
+    assert run_job(config).returncode == 0 and len(pd.read_parquet(out)) == 7
+
+
+def test_relative_paths_are_read_from_the_working_directory_and_errors_say_so(tmp_path, llama_dir):
+    (tmp_path / "jobs").mkdir()
+    data = parquet(tmp_path, [{"prompt": "the cat"}])
+    config = write_config(tmp_path / "jobs", "models/tiny", {"path": "data/in.parquet", "prompt_column": "prompt"},
+                          GEN)
+    res = run_job(config)  # started from the config's folder, where neither path exists
+    assert res.returncode == 2
+    assert f"model: directory 'models/tiny' does not exist (relative paths are read from the working directory, {tmp_path / 'jobs'})" in res.stderr
+    assert "input.path: nothing found at 'data/in.parquet' (relative paths are read" in res.stderr
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(llama_dir)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.parquet").symlink_to(data)
+    env_cwd = subprocess.run(
+        [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", "--set", f"output.path={tmp_path / 'o'}"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert env_cwd.returncode == 0, env_cwd.stderr  # the same config from the folder the paths are relative to
