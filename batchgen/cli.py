@@ -48,7 +48,10 @@ def cmd_job(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.render())
-    print(f"  output                       {cfg.output.path}")
+    how = ""
+    if cfg.output.format == "parquet":
+        how = "   (one dataset: pandas.read_parquet(path), datasets.load_dataset('parquet', data_dir=path))"
+    print(f"  output                       {cfg.output.path}{how}")
     limit = cfg.run.max_failed_fraction
     if report.rows_in_output and report.failed_in_output > limit * report.rows_in_output:
         print(
@@ -124,6 +127,38 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_keys() -> str:
+    """The job config's sections and keys with their defaults, for ``job --help``."""
+    from dataclasses import MISSING, fields
+
+    from batchgen.config import EngineConfig
+    from batchgen.job.config import InputConfig, OutputConfig, RunConfig
+
+    def keys(cls, skip=()) -> str:
+        out = []
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            default = "required" if f.default is MISSING else repr(f.default)
+            out.append(f"{f.name}={default}")
+        return ", ".join(out)
+
+    return "\n".join(
+        [
+            "config keys (see the README's Jobs section; every problem is listed at once, exit 2):",
+            "  model: path of a local Hugging Face model directory (required)",
+            f"  input: {keys(InputConfig)}",
+            f"  output: {keys(OutputConfig)}",
+            "  generation: SamplingParams (n, temperature, top_p, max_tokens, seed, ...) or "
+            "BeamSearchParams (beam_width, length_penalty, early_stopping, ...) keys",
+            f"  engine: {keys(EngineConfig, skip=('model',))}",
+            f"  run: {keys(RunConfig)}",
+            "exit codes: 0 done, 1 failed (output, input, too many failed rows), 2 refused before any "
+            "work, 128 + signal when stopped by SIGTERM / SIGINT (finished rows saved)",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="batchgen", description="Offline batch generation on a paged engine."
@@ -132,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser.add_argument("--version", action="version", version=f"batchgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    job = sub.add_parser("job", help="run a job config (YAML or TOML)")
+    job = sub.add_parser(
+        "job",
+        help="run a job config (YAML or TOML)",
+        epilog=_config_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     job.add_argument("config")
     job.add_argument(
         "--set",

@@ -8,6 +8,28 @@ from typing import Literal
 FinishReason = Literal["stop", "length"]
 
 
+class Logprob(float):
+    """A log-probability that is also vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 = the most
+    likely token under the raw model) and ``.decoded_token``. It compares and computes as the
+    float it is, so ``{token_id: logprob}`` code keeps working."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank = rank
+        obj.decoded_token = decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class CompletionOutput:
     """One completion (a sample, or a beam hypothesis).
@@ -16,7 +38,8 @@ class CompletionOutput:
     ``cumulative_logprob`` is the sum of the raw model log-probabilities of ``token_ids``.
     ``score`` is set for beam search: the length-penalized score transformers reports as
     ``sequences_scores``. ``stop_reason`` is the stop string or stop token id that ended it, or None.
-    ``logprobs``, when asked for, has one dict per generated token: token id -> log-probability.
+    ``logprobs``, when asked for, has one dict per generated token: token id -> ``Logprob`` (a float
+    with vLLM's ``logprob`` / ``rank`` / ``decoded_token``): the sampled token and the top ones.
     """
 
     index: int

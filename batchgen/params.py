@@ -26,14 +26,18 @@ class _Params:
 
     @classmethod
     def _check_names(cls, values: dict[str, Any]) -> None:
+        """Raise one ValueError naming every unknown key, each with a suggestion when one is close."""
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = []
         for key in values:
             if key not in names:
                 hint = difflib.get_close_matches(key, sorted(names), n=1)
-                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ValueError(
-                    f"unknown {cls._kind} parameter {key!r}{extra}; allowed: {', '.join(sorted(names))}"
-                )
+                unknown.append(repr(key) + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        if unknown:
+            what = "parameter" if len(unknown) == 1 else "parameters"
+            raise ValueError(
+                f"unknown {cls._kind} {what} {', '.join(unknown)}; allowed: {', '.join(sorted(names))}"
+            )
 
 
 def _reject_unknown_names(cls):

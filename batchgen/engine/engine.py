@@ -25,7 +25,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner
-from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.utils import cdiv
 
@@ -274,7 +274,11 @@ class LLMEngine:
             seq.token_ids.append(tok)
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
-                seq.logprobs.append(top or {tok: lp})
+                entry = top or {tok: Logprob(lp)}
+                for tid, value in entry.items():
+                    if isinstance(value, Logprob):
+                        value.decoded_token = self._decode([tid], False)
+                seq.logprobs.append(entry)
             if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len):  # type: ignore[arg-type]
                 self.scheduler.free_seq(seq)
 

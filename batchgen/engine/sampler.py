@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.outputs import Logprob
 from batchgen.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -282,11 +283,15 @@ def _logprobs(
         k = max(rows[i].params.logprobs or 0 for i in want)
         if k > 0:
             vals, ids = torch.log_softmax(logits[want], dim=-1).topk(k, dim=-1)
+        # rank of the sampled token under the raw model: 1 + the tokens more likely than it
+        picked = logits[want].gather(1, tokens[want][:, None])
+        ranks = ((logits[want] > picked).sum(dim=-1) + 1).tolist()
         for j, i in enumerate(want):
             d: dict[int, float] = {}
             kk = rows[i].params.logprobs or 0
             if kk:
-                d.update(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True))
-            d[int(tokens[i])] = float(chosen[i])
+                for r, (tid, lp) in enumerate(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True)):
+                    d[tid] = Logprob(lp, r + 1)
+            d[int(tokens[i])] = Logprob(float(chosen[i]), ranks[j])
             top[i] = d
     return chosen, top

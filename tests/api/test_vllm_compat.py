@@ -61,3 +61,24 @@ def test_vllm_engine_keywords(llama_dir):
         LLM(llama_dir, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         LLM(llama_dir, trust_remote_code=True)
+
+
+def test_logprobs_are_vllm_logprob_objects(llm, llama_dir):
+    import torch
+
+    from batchgen import Logprob
+    from tests.oracle import hf_model
+
+    prompt = llm.get_tokenizer()("the cat sat")["input_ids"]
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=4, seed=3, logprobs=3))[0].outputs[0]
+    with torch.no_grad():
+        logits = hf_model(llama_dir)(torch.tensor([prompt + out.token_ids])).logits[0]
+    tok = llm.get_tokenizer()
+    for step, (tid, d) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = logits[len(prompt) - 1 + step]
+        sampled = d[tid]
+        assert isinstance(sampled, Logprob) and sampled.logprob == float(sampled)
+        assert sampled.rank == int((row > row[tid]).sum()) + 1
+        top = sorted((v for t, v in d.items() if v.rank <= 3), key=lambda v: v.rank)
+        assert [v.rank for v in top][:3] == [1, 2, 3][: len(top)] and all(a >= b for a, b in zip(top, top[1:]))
+        assert all(v.decoded_token == tok.decode([t]) for t, v in d.items())

@@ -35,6 +35,9 @@ def test_bad_set_values_and_unknown_keys_are_config_errors(tmp_path, llama_dir):
         "output.pth: unknown key (did you mean 'path'?)",
     ):
         assert needle in res.stderr, res.stderr
+    res = run_job(config, "--set", "generation.tempreture=1", "--set", "generation.topp=0.9")
+    assert res.returncode == 2 and "unknown sampling parameters 'tempreture' (did you mean 'temperature'?)" in res.stderr
+    assert "'topp' (did you mean 'top_p'?)" in res.stderr, res.stderr
     res = run_job(config, "--set", "generation.stop=[unclosed")
     assert res.returncode == 2 and "not valid YAML" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
@@ -64,6 +67,14 @@ def test_a_job_whose_rows_mostly_failed_exits_1_with_errors_grouped(tmp_path, ll
     # a higher limit lets the same output pass
     res = run_job(config, "--set", "run.max_failed_fraction=0.9")
     assert res.returncode == 0, res.stderr
+
+
+def test_job_help_lists_the_config_keys():
+    res = subprocess.run([sys.executable, "-m", "batchgen", "job", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0
+    for needle in ("input:", "prompt_column", "output:", "rows_per_shard", "run:", "max_failed_fraction", "engine:"):
+        assert needle in res.stdout, res.stdout
 
 
 def test_version():
