@@ -64,6 +64,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     error: str | None = None
+    # when asked (``SamplingParams.prompt_logprobs``): per prompt token, None for the first, else
+    # {token_id: Logprob} with the prompt token and the top ones under the raw model
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

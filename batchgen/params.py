@@ -96,6 +96,7 @@ class SamplingParams(_Params):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its log-probability and the top ones
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -144,12 +145,9 @@ class SamplingParams(_Params):
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", self.stop, "a list of non-empty strings")
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            "logprobs",
-            self.logprobs,
-            "an integer >= 0 or None",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), name, value, "an integer >= 0 or None")
         _check(
             isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
             "repetition_penalty",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class CopyPair(NamedTuple):
@@ -41,6 +41,7 @@ class Chunk(NamedTuple):
     start: int
     block_table: Sequence[int]
     samples: bool
+    all_logits: bool = False  # the logits of every token are returned (prompt log-probabilities)
 
     @property
     def num_new_tokens(self) -> int:
@@ -56,3 +57,11 @@ class StepBatch:
     copies: list[CopyPair] = field(default_factory=list)
     fresh_blocks: list[int] = field(default_factory=list)
     swaps: list[Swap] = field(default_factory=list)
+
+
+class StepResult(NamedTuple):
+    """What one forward pass returns: the logits of each sampling chunk's last token, in chunk
+    order, and for each chunk that asked (``all_logits``), the logits of all its tokens."""
+
+    logits: Any  # torch.Tensor [sampling chunks, vocab], float32
+    chunk_logits: dict[int, Any]  # chunk index -> [tokens, vocab]

@@ -19,7 +19,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sampler import SampleRow, derive_seed, sample
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
@@ -148,12 +148,17 @@ class LLMEngine:
         if not isinstance(prompt, Prompt):
             prompt = self.prepare(prompt, params)
         ids = prompt.token_ids
+        # Prompt log-probabilities need every prompt position computed: such a request shares no
+        # blocks with others (its own recompute after a preemption still reuses its blocks).
+        wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+        private = wants_prompt_logprobs or not self.cfg.enable_prefix_caching
         group = SequenceGroup(
             request_id=request_id,
             params=params,
             prompt=prompt.text,
             prompt_token_ids=list(ids),
-            cache_key=None if self.cfg.enable_prefix_caching else ("req", request_id),
+            cache_key=("req", request_id) if private else None,
+            prompt_logprobs=[None] * len(ids) if wants_prompt_logprobs else None,
         )
         seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
         base = seed if seed is not None else int(self._rng.integers(0, 2**63))
@@ -189,12 +194,14 @@ class LLMEngine:
             self.runner.apply_block_ops(batch)
         else:
             with self._stats.timed("model_s"):
-                logits = self.runner.execute(batch)
+                result = self.runner.execute(batch)
             with self._stats.timed("schedule_s"):
                 self.scheduler.finish_step(out)
                 self._stats.note_kv_usage(self._live_seqs(), self.bm)
             with self._stats.timed("postprocess_s"):
-                self._advance([s.seq for s in out.scheduled if s.samples], logits)
+                for i, rows in result.chunk_logits.items():
+                    self._note_prompt_logprobs(out.scheduled[i], rows)
+                self._advance([s.seq for s in out.scheduled if s.samples], result.logits)
             self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0)
         if self.cfg.debug_checks:
             self._check_invariants()
@@ -223,6 +230,30 @@ class LLMEngine:
             self._sample([samplers[i] for i in sample_rows], logits[sample_rows] if beam_rows else logits)
         if beam_rows:
             self._beam([samplers[i] for i in beam_rows], logits[beam_rows])
+
+    def _note_prompt_logprobs(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
+        """Prompt log-probabilities from one prefill chunk's logits: the row of position t scores
+        prompt token t + 1 (vLLM's ``prompt_logprobs``: the token's ``Logprob`` and the top k)."""
+        seq, group = chunk.seq, chunk.seq.group
+        assert group.prompt_logprobs is not None
+        n = min(logits.shape[0], seq.num_prompt_tokens - 1 - chunk.start)
+        if n <= 0:
+            return
+        targets = torch.tensor(seq.token_ids[chunk.start + 1 : chunk.start + 1 + n], device=logits.device)
+        rows = logits[:n].float()
+        logp = torch.log_softmax(rows, dim=-1)
+        picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        ranks = ((rows > rows.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
+        k = getattr(group.params, "prompt_logprobs", None) or 0
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        for j in range(n):
+            entry: dict[int, float] = {}
+            if top_ids is not None and top_vals is not None:
+                for r, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)):
+                    entry[tid] = Logprob(lp, r + 1, self._decode([tid], False))
+            target = int(targets[j])
+            entry[target] = Logprob(picked[j], ranks[j], self._decode([target], False))
+            group.prompt_logprobs[chunk.start + 1 + j] = entry
 
     def _live_seqs(self) -> list[Sequence]:
         return [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
@@ -436,6 +467,7 @@ class LLMEngine:
             prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=group.num_cached_tokens or 0,
             outputs=completions,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     # -- statistics ----------------------------------------------------------------------------

@@ -68,7 +68,13 @@ class SchedulerOutput:
     def step_batch(self, table_of: Callable[[int], list[int]]) -> StepBatch:
         """The runner's view of this step: token ids, positions and block tables, no sequences."""
         chunks = [
-            Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, table_of(s.seq.seq_id), s.samples)
+            Chunk(
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.start,
+                table_of(s.seq.seq_id),
+                s.samples,
+                s.seq.group.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens - 1,
+            )
             for s in self.scheduled
         ]
         return StepBatch(chunks, self.copies, self.fresh_blocks, self.swaps)

@@ -88,6 +88,7 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     beam: Any = None  # BeamState for beam search requests
     error: str | None = None  # set when the engine gave up on the request (it is then finished)
+    prompt_logprobs: list[Any] | None = None  # per prompt position, when the request asked for them
 
     @property
     def is_beam(self) -> bool:

@@ -27,7 +27,7 @@ from batchgen.model.attention import (
 from batchgen.model.graphs import DecodeGraphs, HostStaging
 from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
-from batchgen.step import Chunk, CopyPair, StepBatch
+from batchgen.step import Chunk, CopyPair, StepBatch, StepResult
 from batchgen.utils import cdiv
 from kernels.swap import swap_blocks
 
@@ -205,14 +205,16 @@ class ModelRunner:
         self.zero_blocks(batch.fresh_blocks)
         self.copy_blocks(batch.copies)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits [number of sampling chunks, vocab] in chunk order.
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step; returns float32 logits [number of sampling chunks, vocab] in chunk order,
+        and every token's logits for the chunks that ask (``Chunk.all_logits``).
         ``apply_block_ops`` runs first."""
         t0 = time.perf_counter()
         self.apply_block_ops(batch)
         t1 = time.perf_counter()
         lay = self._layout(batch.chunks)
-        if self.graphs is not None and lay.num_decode == len(lay.order) and all(s.samples for s in lay.order):
+        plain = all(s.samples and not s.all_logits for s in lay.order)
+        if self.graphs is not None and lay.num_decode == len(lay.order) and plain:
             t2 = time.perf_counter()
             logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.tables)
             if logits is not None:  # every decode row samples, in the scheduled order
@@ -220,7 +222,7 @@ class ModelRunner:
                 self.times.copy += t1 - t0
                 self.times.prepare += t2 - t1
                 self.times.forward += t3 - t2
-                return logits
+                return StepResult(logits, {})
         input_ids, pos_t, meta = self._metadata(lay)
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(lay.order)}
@@ -236,6 +238,11 @@ class ModelRunner:
             if last
             else torch.empty((0, self.model.vocab_size), device=dev)
         )
+        chunk_logits = {}
+        for i, s in enumerate(batch.chunks):
+            if s.all_logits:
+                row = row_of[id(s)]
+                chunk_logits[i] = self.model.logits(hidden[int(lay.cu[row]) : int(lay.cu[row + 1])])
         self._sync()
         t4 = time.perf_counter()
         tm = self.times
@@ -244,7 +251,7 @@ class ModelRunner:
         tm.forward += t3 - t2
         tm.attention += self.backend.seconds - attention_before
         tm.lm_head += t4 - t3
-        return logits
+        return StepResult(logits, chunk_logits)
 
     def _layout(self, chunks: list[Chunk]) -> _Layout:
         """The flattened batch in numpy: decode chunks first, then prefill chunks; each token's

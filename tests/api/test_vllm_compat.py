@@ -82,3 +82,34 @@ def test_logprobs_are_vllm_logprob_objects(llm, llama_dir):
         top = sorted((v for t, v in d.items() if v.rank <= 3), key=lambda v: v.rank)
         assert [v.rank for v in top][:3] == [1, 2, 3][: len(top)] and all(a >= b for a, b in zip(top, top[1:]))
         assert all(v.decoded_token == tok.decode([t]) for t, v in d.items())
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=5, num_kv_blocks=6, block_size=8)],
+                         ids=["whole", "chunked-and-preempted"])
+def test_prompt_logprobs_match_a_transformers_forward_pass(llama_dir, engine):
+    """Every prompt token's log-probability (and its rank, and the top 2) as transformers gives
+    them, also when the prompt is prefilled in chunks of 5 tokens under preemption, and when a
+    request with the same prefix ran before (no prefix-cache hit may skip a position)."""
+    import torch
+
+    from tests.oracle import hf_model
+
+    llm = LLM(llama_dir, dtype="float32", device="cpu", debug_checks=True, **engine)
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (23, 17, 30)]
+    llm.generate([prompts[0]], GREEDY)  # caches the first prompt's blocks
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, [params, params, GREEDY])
+    assert outs[2].prompt_logprobs is None
+    for prompt, out in zip(prompts[:2], outs[:2], strict=True):
+        with torch.no_grad():
+            logits = hf_model(llama_dir)(torch.tensor([prompt])).logits[0]
+        logp = torch.log_softmax(logits, dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for t in range(1, len(prompt)):
+            entry = out.prompt_logprobs[t]
+            assert abs(entry[prompt[t]] - float(logp[t - 1, prompt[t]])) < 1e-4, t
+            assert entry[prompt[t]].rank == int((logits[t - 1] > logits[t - 1, prompt[t]]).sum()) + 1
+            best = logp[t - 1].topk(2).indices.tolist()
+            assert all(b in entry and entry[b].rank == r + 1 for r, b in enumerate(best)), t
+    if "num_kv_blocks" in engine:
+        assert llm.stats()["num_preemptions"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,18 @@ def test_relative_paths_are_read_from_the_working_directory_and_errors_say_so(tm
         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert env_cwd.returncode == 0, env_cwd.stderr  # the same config from the folder the paths are relative to
+
+
+def test_the_progress_bar_shows_tokens_rate_and_eta_while_rows_run(tmp_path, llama_dir):
+    rows = [{"prompt": "the cat sat on the mat " * (1 + i % 5)} for i in range(48)]
+    config = write_config(tmp_path, llama_dir, {"path": parquet(tmp_path, rows), "prompt_column": "prompt"},
+                          {"n": 2, "temperature": 1.0, "max_tokens": 48, "seed": 1, "ignore_eos": True},
+                          engine={"dtype": "float32", "max_num_seqs": 4, "max_model_len": 256})
+    res = subprocess.run([sys.executable, "-m", "batchgen", "job", str(config)], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr
+    frames = res.stderr.replace("\r", "\n").splitlines()
+    assert any("in flight" in f and "tok/s" in f and "ETA" in f for f in frames), res.stderr[-2000:]
+    # the bar moves before any row finishes: 0 rows done, tokens already generated
+    early = [f for f in frames if " 0/48 rows" in f and "in flight" in f]
+    assert early and int(re.search(r"(\d+) tokens", early[-1]).group(1)) > 0, frames[:5]
