@@ -29,17 +29,7 @@ def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.
             env=env,
             cwd=config.parent,
         )
-        out_dir = _output_dir(config)
-        last, seen = time.monotonic(), _progress(out_dir)
-        while proc.poll() is None:
-            time.sleep(0.1)
-            now = _progress(out_dir)
-            if now != seen:
-                last, seen = time.monotonic(), now
-            elif time.monotonic() - last > idle_timeout:
-                proc.kill()
-                proc.wait()
-                raise subprocess.TimeoutExpired(proc.args, idle_timeout)
+        _wait_while_progressing(proc, _output_dir(config), idle_timeout)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
@@ -48,6 +38,13 @@ def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.
 def finish_job(proc: subprocess.Popen, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
     """Wait for a job started with pipes to end, for as long as it makes progress in ``out_dir``;
     returns its (stdout, stderr)."""
+    _wait_while_progressing(proc, out_dir, idle_timeout)
+    return proc.communicate()
+
+
+def _wait_while_progressing(proc: subprocess.Popen, out_dir: Path | None, idle_timeout: float) -> None:
+    """Wait for ``proc`` to end; kill it (and raise TimeoutExpired) after ``idle_timeout`` seconds
+    in which ``out_dir`` did not change."""
     last, seen = time.monotonic(), _progress(out_dir)
     while proc.poll() is None:
         time.sleep(0.1)
@@ -56,8 +53,8 @@ def finish_job(proc: subprocess.Popen, out_dir: Path, idle_timeout: float = 300)
             last, seen = time.monotonic(), now
         elif time.monotonic() - last > idle_timeout:
             proc.kill()
+            proc.wait()
             raise subprocess.TimeoutExpired(proc.args, idle_timeout)
-    return proc.communicate()
 
 
 def _output_dir(config: Path) -> Path | None:
