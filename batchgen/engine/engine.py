@@ -18,7 +18,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sampler import SampleRow, derive_seed, sample
+from batchgen.engine.sampler import SampleRow, derive_seed, logprob_entries, sample
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from batchgen.engine.stats import EngineStats
@@ -240,20 +240,16 @@ class LLMEngine:
         if n <= 0:
             return
         targets = torch.tensor(seq.token_ids[chunk.start + 1 : chunk.start + 1 + n], device=logits.device)
-        rows = logits[:n].float()
-        logp = torch.log_softmax(rows, dim=-1)
-        picked = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-        ranks = ((rows > rows.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
         k = getattr(group.params, "prompt_logprobs", None) or 0
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
-        for j in range(n):
-            entry: dict[int, float] = {}
-            if top_ids is not None and top_vals is not None:
-                for r, (tid, lp) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)):
-                    entry[tid] = Logprob(lp, r + 1, self._decode([tid], False))
-            target = int(targets[j])
-            entry[target] = Logprob(picked[j], ranks[j], self._decode([target], False))
-            group.prompt_logprobs[chunk.start + 1 + j] = entry
+        for j, entry in enumerate(logprob_entries(logits[:n].float(), targets, [k] * n)):
+            group.prompt_logprobs[chunk.start + 1 + j] = self._with_decoded(entry)
+
+    def _with_decoded(self, entry: dict[int, float]) -> dict[int, float]:
+        """Fill each ``Logprob``'s ``decoded_token`` (the token's text)."""
+        for tid, value in entry.items():
+            if isinstance(value, Logprob):
+                value.decoded_token = self._decode([tid], False)
+        return entry
 
     def _live_seqs(self) -> list[Sequence]:
         return [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
@@ -305,11 +301,7 @@ class LLMEngine:
             seq.token_ids.append(tok)
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
-                entry = top or {tok: Logprob(lp)}
-                for tid, value in entry.items():
-                    if isinstance(value, Logprob):
-                        value.decoded_token = self._decode([tid], False)
-                seq.logprobs.append(entry)
+                seq.logprobs.append(self._with_decoded(top or {tok: Logprob(lp)}))
             if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len):  # type: ignore[arg-type]
                 self.scheduler.free_seq(seq)
 

@@ -280,18 +280,33 @@ def _logprobs(
     top: list[dict[int, float] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
-        k = max(rows[i].params.logprobs or 0 for i in want)
-        if k > 0:
-            vals, ids = torch.log_softmax(logits[want], dim=-1).topk(k, dim=-1)
-        # rank of the sampled token under the raw model: 1 + the tokens more likely than it
-        picked = logits[want].gather(1, tokens[want][:, None])
-        ranks = ((logits[want] > picked).sum(dim=-1) + 1).tolist()
-        for j, i in enumerate(want):
-            d: dict[int, float] = {}
-            kk = rows[i].params.logprobs or 0
-            if kk:
-                for r, (tid, lp) in enumerate(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True)):
-                    d[tid] = Logprob(lp, r + 1)
-            d[int(tokens[i])] = Logprob(float(chosen[i]), ranks[j])
-            top[i] = d
+        entries = logprob_entries(
+            logits[want], tokens[want], [rows[i].params.logprobs or 0 for i in want], chosen[want].tolist()
+        )
+        for i, entry in zip(want, entries, strict=True):
+            top[i] = entry
     return chosen, top
+
+
+def logprob_entries(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: list[int], target_logprobs: list[float] | None = None
+) -> list[dict[int, float]]:
+    """Per row of ``logits`` [n, vocab] (raw, float32): ``{token: Logprob}`` for the row's top
+    ``top_k[j]`` tokens (ranks 1..k) and its ``targets[j]`` (rank: 1 + the tokens more likely than
+    it), as vLLM reports ``logprobs`` and ``prompt_logprobs``. ``target_logprobs`` overrides the
+    targets' values (the sampler's exact ones)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    k = max(top_k, default=0)
+    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    ranks = ((logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
+    if target_logprobs is None:
+        target_logprobs = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+    out = []
+    for j, (kk, target) in enumerate(zip(top_k, targets.tolist(), strict=True)):
+        entry: dict[int, float] = {
+            tid: Logprob(lp, r + 1)
+            for r, (tid, lp) in enumerate(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True))
+        }
+        entry[target] = Logprob(target_logprobs[j], ranks[j])
+        out.append(entry)
+    return out

@@ -268,6 +268,7 @@ class JobRunner:
         seen: set[str] = set()
         position = 0
         limit = self.cfg.input.limit
+        key = "custom_id" if self.openai_in else self.cfg.input.id_column
         try:
             for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
                 check_unchanged(state)  # rows read from a file being rewritten never reach the output
@@ -281,7 +282,6 @@ class JobRunner:
                     counts["rows_read"] += 1
                     if not self.openai_in:
                         row["row_index"] = pos  # every output row names its input position
-                    key = "custom_id" if self.openai_in else self.cfg.input.id_column
                     rid = str(pos) if key is None else row.get(key)
                     # a row without an id (a malformed line) is known by its position
                     rid = f"#{pos}" if rid is None else str(rid)
