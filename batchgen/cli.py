@@ -120,9 +120,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from batchgen.tiny import make_bench_model, make_model
+    from batchgen.tiny import make_bench_model, make_bench_moe_model, make_model
 
-    path = make_bench_model(args.path) if args.bench else make_model(args.path, args.arch, seed=args.seed)
+    if args.bench:
+        path = make_bench_moe_model(args.path) if args.arch == "qwen3_moe" else make_bench_model(args.path)
+    else:
+        path = make_model(args.path, args.arch, seed=args.seed)
     print(path)
     return 0
 
@@ -192,9 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=cmd_demo)
     mm = sub.add_parser("make-model", help="write a small random-weight model directory")
     mm.add_argument("path")
-    mm.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    from batchgen.tiny import ALL_ARCHS
+
+    mm.add_argument("--arch", default="llama", choices=list(ALL_ARCHS))
     mm.add_argument("--seed", type=int, default=0)
-    mm.add_argument("--bench", action="store_true", help="the bench-56m model of WORKLOADS.md")
+    mm.add_argument(
+        "--bench",
+        action="store_true",
+        help="the bench-56m model of WORKLOADS.md (with --arch qwen3_moe: workload M's MoE model)",
+    )
     mm.set_defaults(func=cmd_make_model)
     args = parser.parse_args(argv)
     return args.func(args)

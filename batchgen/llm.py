@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine
+from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
@@ -186,8 +187,8 @@ def _from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         )
     if out.pop("trust_remote_code", False):
         raise ValueError(
-            "trust_remote_code=True: batchgen runs only the architectures it implements (Llama, Mistral, "
-            "Qwen2, Qwen3) and never executes code from a checkpoint"
+            "trust_remote_code=True: batchgen runs only the architectures it implements "
+            f"({', '.join(SUPPORTED_ARCHITECTURES)}) and never executes code from a checkpoint"
         )
     tokenizer = out.get("tokenizer")
     if tokenizer is not None and Path(tokenizer).resolve() == Path(model).resolve():

@@ -42,6 +42,7 @@ class Chunk(NamedTuple):
     block_table: Sequence[int]
     samples: bool
     all_logits: bool = False  # the logits of every token are returned (prompt log-probabilities)
+    seq_len: int = 0  # the sequence's length, computed or not (LongRoPE picks its frequencies by it)
 
     @property
     def num_new_tokens(self) -> int:

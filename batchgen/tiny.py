@@ -21,7 +21,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # the Llama family
+FAMILY_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+ALL_ARCHS = ARCHS + FAMILY_ARCHS
+ARCHITECTURE_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 
 def build_tokenizer(vocab_size: int):
@@ -46,6 +62,68 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
+def _family_defaults(arch: str, num_layers: int, head_dim: int, rope_parameters: dict | None) -> dict[str, Any]:
+    """What makes a small model of ``arch`` exercise its family's features: sliding windows
+    shorter than the tests' prompts, soft-caps that bite at these weights' scale, dense and sparse
+    layers side by side, a few experts."""
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    experts = dict(num_experts_per_tok=2)
+    if arch == "gemma2":
+        return dict(
+            sliding_window=12,
+            layer_types=alternating,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    if arch == "gemma3":
+        return dict(
+            sliding_window=12,
+            layer_types=alternating,
+            query_pre_attn_scalar=24,
+            rope_parameters=rope_parameters
+            or {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
+    if arch == "phi3":
+        return dict(rope_parameters=rope_parameters or {"rope_type": "default", "partial_rotary_factor": 0.5})
+    if arch == "mixtral":
+        return dict(num_local_experts=4, **experts)
+    if arch == "qwen2_moe":  # layer 1 dense through mlp_only_layers
+        return dict(
+            num_experts=6,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            **experts,
+        )
+    if arch == "qwen3_moe":  # layer 0 dense through decoder_sparse_step
+        return dict(num_experts=8, moe_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True, **experts)
+    if arch == "gpt_oss":
+        return dict(
+            num_local_experts=4,
+            sliding_window=12,
+            layer_types=alternating,
+            swiglu_limit=1.0,  # low enough for the clamps to act on these weights
+            rope_parameters=rope_parameters
+            or {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 150000.0,
+            },
+            **experts,
+        )
+    return {}
+
+
 def make_config(
     arch: str = "llama",
     vocab_size: int = 384,
@@ -59,7 +137,9 @@ def make_config(
     initializer_range: float = 0.2,
     rope_parameters: dict | None = None,
     head_dim: int | None = None,
+    **extra: Any,
 ):
+    """A transformers config of ``arch`` (see ``ALL_ARCHS``); ``extra`` overrides family settings."""
     import transformers as tf
 
     cls = {
@@ -67,9 +147,18 @@ def make_config(
         "mistral": tf.MistralConfig,
         "qwen2": tf.Qwen2Config,
         "qwen3": tf.Qwen3Config,
+        "gemma2": tf.Gemma2Config,
+        "gemma3": tf.Gemma3TextConfig,
+        "phi3": tf.Phi3Config,
+        "olmo2": tf.Olmo2Config,
+        "mixtral": tf.MixtralConfig,
+        "qwen2_moe": tf.Qwen2MoeConfig,
+        "qwen3_moe": tf.Qwen3MoeConfig,
+        "gpt_oss": tf.GptOssConfig,
     }
     if arch not in cls:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        raise ValueError(f"arch must be one of {', '.join(ALL_ARCHS)}, got {arch!r}")
+    head_dim = head_dim or hidden_size // num_heads
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -83,15 +172,16 @@ def make_config(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        head_dim=head_dim or hidden_size // num_heads,
+        head_dim=head_dim,
     )
     if rope_parameters is not None:
         kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    kwargs.update(_family_defaults(arch, num_layers, head_dim, rope_parameters))
+    kwargs.update(extra)
     config = cls[arch](**kwargs)
-    if arch == "qwen2":
-        config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [ARCHITECTURE_NAMES[arch]]
     return config
 
 
@@ -103,7 +193,7 @@ def make_model(
     tokenizer_vocab: int | None = None,
     **config_kwargs,
 ) -> Path:
-    """Write a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``."""
+    """Write a random-weight model of ``arch`` (one of ``ALL_ARCHS``) to ``path``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,4 +225,27 @@ def make_bench_model(path: str | Path) -> Path:
         num_kv_heads=2,
         max_positions=4096,
         initializer_range=0.02,
+    )
+
+
+def make_bench_moe_model(path: str | Path) -> Path:
+    """WORKLOADS.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
+    2 KV heads, 16 experts of 384, top-4 (so 4 x 384 = 1536 active, bench-56m's MLP width)."""
+    return make_model(
+        path,
+        "qwen3_moe",
+        seed=0,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        max_positions=4096,
+        initializer_range=0.02,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=384,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
     )

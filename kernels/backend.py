@@ -12,7 +12,7 @@ class TritonAttention:
     def __init__(self) -> None:
         self.seconds = 0.0  # not measured: device work is asynchronous
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
             q,
@@ -21,7 +21,9 @@ class TritonAttention:
             meta.block_tables,
             meta.token_rows,
             meta.token_ctx,
-            scale,
+            layer.scale,
             max_context=meta.max_context,
-            window=sliding_window,
+            window=layer.window,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
         )

@@ -4,7 +4,8 @@ range is split).
 Every query token t (a decode token or a token of a prefill chunk) attends to the first
 ``token_ctx[t]`` positions of its sequence (its own position + 1: causal within a chunk, the whole
 cached prefix before it), reading K/V block by block through ``block_tables[token_rows[t]]``.
-One program handles one token and one KV head, so the ``H / KVH`` query heads that share the KV
+Gemma 2's logit soft-capping (``softcap * tanh(score / softcap)``) and gpt-oss's attention sinks
+(a per-head logit in the softmax denominator) are compile-time options. One program handles one token and one KV head, so the ``H / KVH`` query heads that share the KV
 head read each K/V block once (grouped-query attention). With ``num_splits > 1`` the context is cut
 into ranges handled by separate programs whose partial results (max, sum, output) a second kernel
 merges: the flash-decoding layout for long contexts with few sequences.
@@ -28,11 +29,13 @@ def _attn_kernel(
     ROWS,
     CTX,
     OUT,
+    SINKS,
     M_PART,
     L_PART,
     O_PART,
     scale,
     window,
+    softcap,
     blocks_per_split,
     stride_qt,
     stride_qh,
@@ -49,6 +52,8 @@ def _attn_kernel(
     BS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     t = tl.program_id(0)
     kh = tl.program_id(1)
@@ -74,6 +79,13 @@ def _attn_kernel(
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
+    if USE_SINKS:
+        # a sink is one more logit in the softmax with a zero value vector: start the running
+        # max and sum from it (in the first split only: the reduce adds the splits' sums)
+        sink = tl.load(SINKS + kh * G + offs_g, mask=gmask, other=float("-inf")).to(tl.float32)
+        first_split = gmask & (sp == 0)
+        m_i = tl.where(first_split, sink, m_i)
+        l_i = tl.where(first_split, 1.0, l_i)
     acc = tl.zeros([GP, DP], tl.float32)
     for j in range(first, last):
         bid = tl.load(BT + row * stride_bt + j)
@@ -86,6 +98,8 @@ def _attn_kernel(
         k = tl.load(KC + off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(VC + off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        if USE_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (portable to the interpreter)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * (s / softcap))) - 1.0)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -180,6 +194,8 @@ def paged_attention(
     window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] float32: one logit per query head
 ) -> torch.Tensor:
     t, h, d = q.shape
     kvh, _, bs, dc = k_cache.shape
@@ -207,7 +223,11 @@ def paged_attention(
         BS=bs,
         NUM_SPLITS=splits,
         USE_WINDOW=window is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
     )
+    if sinks is not None and (sinks.shape != (h,) or sinks.dtype != torch.float32):
+        raise ValueError(f"paged_attention: sinks must be float32 [{h}], got {sinks.dtype} {tuple(sinks.shape)}")
     if splits > 1:
         m_part = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
@@ -222,11 +242,13 @@ def paged_attention(
         token_rows,
         token_ctx,
         out,
+        sinks if sinks is not None else out,
         m_part,
         l_part,
         o_part,
         scale,
         window or 0,
+        softcap or 1.0,
         per_split,
         q.stride(0),
         q.stride(1),

@@ -7,9 +7,12 @@ import math
 import torch
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, token_rows, token_ctx, scale, window=None):
+def paged_attention_ref(
+    q, k_cache, v_cache, block_tables, token_rows, token_ctx, scale, window=None, softcap=None, sinks=None
+):
     """q [T, H, D]; caches [KVH, NB, BS, D]; block_tables [S, W]; token_rows [T] (row of each token's
-    table); token_ctx [T] (how many positions token t attends to: its own position + 1)."""
+    table); token_ctx [T] (how many positions token t attends to: its own position + 1); softcap:
+    ``softcap * tanh(score / softcap)``; sinks [H]: a logit per head added to the softmax's denominator."""
     t_count, h, d = q.shape
     kvh, _, bs, _ = k_cache.shape
     g = h // kvh
@@ -22,10 +25,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, token_rows, token_ctx
         values = v_cache[:, row[:nb]].reshape(kvh, nb * bs, d)[:, :ctx].float()
         qq = q[t].float().view(kvh, g, d)
         s = torch.einsum("kgd,kld->kgl", qq, keys) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         if window is not None:
             pos = torch.arange(ctx)
             s[..., pos <= ctx - 1 - window] = float("-inf")
-        p = torch.softmax(s, dim=-1)
+        if sinks is not None:  # one more logit per head, whose value vector is zero
+            s = torch.cat([s, sinks.float().view(kvh, g, 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
         out[t] = torch.einsum("kgl,kld->kgd", p, values).reshape(h, d).to(q.dtype)
     return out
 

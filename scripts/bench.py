@@ -1,8 +1,12 @@
 """Benchmarks of WORKLOADS.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D] [--model models/bench-56m] [--baseline-batch-sizes 4 8 16]
-                            [--skip-baseline] [--json bench-cpu.json] [--engine-setting K=V]
+    python scripts/bench.py [S B P D M] [--model models/bench-56m] [--moe-model models/bench-moe]
+                            [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
+                            [--engine-setting K=V]
+
+Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16 experts, top-4,
+``batchgen.tiny.make_bench_moe_model``) and reports the share of batchgen's time in expert GEMMs.
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's.
@@ -37,6 +41,7 @@ class Workload:
     top_p: float = 1.0
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    moe: bool = False  # runs on the mixture-of-experts bench model
 
 
 def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
@@ -58,6 +63,21 @@ def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
                 temperature=0.8,
                 top_p=0.95,
                 notes="n-best sampling n=8",
+            )
+        )
+    if "M" in names:
+        lens = np.random.default_rng(0).integers(64, 257, size=16)  # S's prompt lengths
+        out.append(
+            Workload(
+                "M",
+                [rand_prompt(n) for n in lens],
+                "sample",
+                [64] * 16,
+                n=8,
+                temperature=0.8,
+                top_p=0.95,
+                notes="n-best sampling n=8 on the MoE model",
+                moe=True,
             )
         )
     if "B" in names:
@@ -197,33 +217,55 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int) ->
     return {"per_batch_size": results, "best_batch_size": best, **results[best]}
 
 
-MFLOP_PER_TOKEN = 84.0  # WORKLOADS.md: 2 x 40.5 M matmul parameters, plus attention
-
-
-def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> float:
-    """FLOP rate of the bench model's own GEMM shapes at a decode batch of ``rows``, through
-    ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them."""
+def gemm_shapes(model_dir: str, rows: int = 128) -> list[tuple[int, int, int]]:
+    """(rows, out, in) of every GEMM of one decode step of ``rows`` tokens: per layer q/k/v, o and
+    the MLP (with experts: the router, and each of the ``top_k`` experts a token picks, at the
+    ``rows * top_k / experts`` tokens an expert gets on average), then the LM head."""
     from transformers import AutoConfig
 
-    from batchgen.model.linear import Linear
-
-    torch.set_num_threads(threads)
     c = AutoConfig.from_pretrained(model_dir)
     d, h, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or d // h
-    shapes = [((h + 2 * kv) * hd, d), (d, h * hd), (2 * c.intermediate_size, d), (d, c.intermediate_size)]
-    shapes = shapes * c.num_hidden_layers + [(c.vocab_size, d)]
-    layers = {(n, k): Linear(torch.randn(n, k) * 0.02, pack=backend == "onednn") for n, k in set(shapes)}
-    xs = {k: torch.randn(rows, k) for _, k in shapes}
-    for n, k in shapes:  # warm-up
-        layers[n, k](xs[k])
+    layer = [(rows, (h + 2 * kv) * hd, d), (rows, d, h * hd)]
+    experts = getattr(c, "num_experts", None) or 0
+    if experts:
+        k, inter = c.num_experts_per_tok, c.moe_intermediate_size
+        per = max(1, rows * k // experts)
+        layer += [(rows, experts, d)] + [(per, 2 * inter, d), (per, d, inter)] * experts
+    else:
+        layer += [(rows, 2 * c.intermediate_size, d), (rows, d, c.intermediate_size)]
+    return layer * c.num_hidden_layers + [(rows, c.vocab_size, d)]
+
+
+ATTENTION_MFLOP = 3.0  # WORKLOADS.md: bench-56m's 84 MFLOP per token = 2 x 40.5 M matmul parameters + 3
+
+
+def mflop_per_token(model_dir: str) -> float:
+    """MFLOP per processed token: 2 x the active matmul parameters (for an MoE model only the
+    experts a token picks count) plus WORKLOADS.md's attention allowance (both bench models
+    have bench-56m's attention shape)."""
+    shapes = gemm_shapes(model_dir, rows=128)
+    return sum(2 * r * n * k for r, n, k in shapes) / 128 / 1e6 + ATTENTION_MFLOP
+
+
+def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> float:
+    """FLOP rate of the model's own GEMM shapes at a decode batch of ``rows`` (``gemm_shapes``),
+    through ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them."""
+    from batchgen.model.linear import Linear
+
+    torch.set_num_threads(threads)
+    shapes = gemm_shapes(model_dir, rows)
+    layers = {(n, k): Linear(torch.randn(n, k) * 0.02, pack=backend == "onednn") for _, n, k in set(shapes)}
+    xs = {(r, k): torch.randn(r, k) for r, _, k in shapes}
+    for r, n, k in shapes:  # warm-up
+        layers[n, k](xs[r, k])
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
-        for n, k in shapes:
-            layers[n, k](xs[k])
+        for r, n, k in shapes:
+            layers[n, k](xs[r, k])
         best = min(best, time.perf_counter() - t0)
-    return sum(2 * rows * n * k for n, k in shapes) / best / 1e9
+    return sum(2 * r * n * k for r, n, k in shapes) / best / 1e9
 
 
 def processed_tokens(w: Workload) -> int:
@@ -233,9 +275,9 @@ def processed_tokens(w: Workload) -> int:
     return shared + sum(len(p) - shared for p in w.prompts) + useful_tokens(w)
 
 
-def floor_tok_s(w: Workload, gflops: float) -> float:
-    """Generated tokens per second if every processed token cost only its matmuls at ``gflops``."""
-    seconds = processed_tokens(w) * MFLOP_PER_TOKEN * 1e6 / (gflops * 1e9)
+def floor_tok_s(w: Workload, gflops: float, mflop: float) -> float:
+    """Generated tokens per second if every processed token cost only its ``mflop`` of matmuls at ``gflops``."""
+    seconds = processed_tokens(w) * mflop * 1e6 / (gflops * 1e9)
     return useful_tokens(w) / seconds
 
 
@@ -243,6 +285,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workloads", nargs="*", default=["S", "B", "P", "D"])
     ap.add_argument("--model", default="models/bench-56m")
+    ap.add_argument("--moe-model", default="models/bench-moe", help="the model of workload M")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--skip-baseline", action="store_true")
@@ -259,25 +302,34 @@ def main() -> None:
     for item in args.engine_setting:
         key, _, value = item.partition("=")
         settings[key] = int(value) if value.lstrip("-").isdigit() else value
-    if not (Path(args.model) / "config.json").exists():
-        from batchgen.tiny import make_bench_model
+    names = [x.upper() for x in args.workloads]
+    from batchgen.tiny import make_bench_model, make_bench_moe_model
 
-        print(f"building the bench model in {args.model} ...", flush=True)
-        make_bench_model(args.model)
+    for path, make, wanted in (
+        (args.model, make_bench_model, set(names) - {"M"}),
+        (args.moe_model, make_bench_moe_model, {"M"} & set(names)),
+    ):
+        if wanted and not (Path(path) / "config.json").exists():
+            print(f"building the bench model in {path} ...", flush=True)
+            make(path)
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    vocab = AutoConfig.from_pretrained(args.moe_model if names == ["M"] else args.model).vocab_size
     rows = []
-    workloads = make_workloads(vocab, [x.upper() for x in args.workloads])
+    workloads = make_workloads(vocab, names)
     for w in workloads:
-        print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts", flush=True)
-        bg = in_fresh_process(run_batchgen, args.model, w, args.threads, settings)
+        model = args.moe_model if w.moe else args.model
+        print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts ({model})", flush=True)
+        bg = in_fresh_process(run_batchgen, model, w, args.threads, settings)
         s = bg["stats"]
         print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
+        if w.moe:
+            share = s["expert_s"] / bg["wall_s"]
+            print(f"    expert GEMMs: {s['expert_s']:.1f} s, {share:.0%} of batchgen's time", flush=True)
         hf = (
             None
             if args.skip_baseline
-            else in_fresh_process(run_hf, args.model, w, args.baseline_batch_sizes, args.threads)
+            else in_fresh_process(run_hf, model, w, args.baseline_batch_sizes, args.threads)
         )
         rows.append(
             {
@@ -303,17 +355,21 @@ def main() -> None:
             f"{s['decode_s']:.1f} | {other:.1f} | {s['peak_physical_kv_slots']} / {s['peak_logical_kv_tokens']} "
             f"({s['physical_over_logical']:.0%}) | {s['cow_copies']} | {s['prefix_cache_hit_tokens']} |"
         )
-    rates = {b: in_fresh_process(gemm_gflops, args.model, b, args.threads) for b in ("torch", "onednn")}
-    print(
-        f"\nGEMM rate of the model's shapes at 128 rows: F.linear (MKL) {rates['torch']:.0f} GFLOP/s, "
-        f"oneDNN packed {rates['onednn']:.0f} GFLOP/s"
-    )
+    rates: dict[str, dict[str, float]] = {}
+    for model in {args.moe_model if w.moe else args.model for w in workloads}:
+        rates[model] = {b: in_fresh_process(gemm_gflops, model, b, args.threads) for b in ("torch", "onednn")}
+        print(
+            f"\nGEMM rate of {model}'s shapes at 128 rows ({mflop_per_token(model):.0f} MFLOP per token): "
+            f"F.linear (MKL) {rates[model]['torch']:.0f} GFLOP/s, oneDNN packed {rates[model]['onednn']:.0f} GFLOP/s"
+        )
     print(
         "| workload | matmul floor tok/s at F.linear rate | at oneDNN rate | batchgen share of the oneDNN floor |"
     )
     print("| --- | --- | --- | --- |")
     for r, w in zip(rows, workloads, strict=True):
-        lo, hi = floor_tok_s(w, rates["torch"]), floor_tok_s(w, rates["onednn"])
+        model = args.moe_model if w.moe else args.model
+        mflop = mflop_per_token(model)
+        lo, hi = floor_tok_s(w, rates[model]["torch"], mflop), floor_tok_s(w, rates[model]["onednn"], mflop)
         r["floor_tok_s"] = {"torch": lo, "onednn": hi}
         print(f"| {w.name} | {lo:.0f} | {hi:.0f} | {r['batchgen']['tokens_per_s'] / hi:.0%} |")
     meta = {

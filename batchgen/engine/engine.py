@@ -20,11 +20,11 @@ from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sampler import SampleRow, derive_seed, logprob_entries, sample
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, long_rope_key
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
 from batchgen.model.loader import load_config, load_tokenizer
-from batchgen.model.runner import ModelRunner
+from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.utils import cdiv
@@ -69,7 +69,11 @@ class LLMEngine:
         self.block_size = cfg.block_size
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, self.runner.num_host_blocks)
         self.scheduler = Scheduler(
-            self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.runner.preemption_mode
+            self.bm,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            self.runner.preemption_mode,
+            rope_switch=self.runner.model.long_rope_after,
         )
         self._rng = np.random.default_rng(cfg.seed)
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
@@ -152,12 +156,16 @@ class LLMEngine:
         # blocks with others (its own recompute after a preemption still reuses its blocks).
         wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         private = wants_prompt_logprobs or not self.cfg.enable_prefix_caching
+        cache_key: object = ("req", request_id) if private else None
+        switch = self.runner.model.long_rope_after
+        if switch is not None and len(ids) > switch:  # LongRoPE: long frequencies from the start
+            cache_key = long_rope_key(cache_key)
         group = SequenceGroup(
             request_id=request_id,
             params=params,
             prompt=prompt.text,
             prompt_token_ids=list(ids),
-            cache_key=("req", request_id) if private else None,
+            cache_key=cache_key,
             prompt_logprobs=[None] * len(ids) if wants_prompt_logprobs else None,
         )
         seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
@@ -471,6 +479,7 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Start the step counts, times and KV peaks afresh (benchmarks do after a warm-up)."""
         self._stats.clear()
+        self.runner.times = RunnerTimes()
 
     def stats(self) -> dict[str, float | int | str]:
         tm = self.runner.times
@@ -483,6 +492,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swap_outs": self.scheduler.num_swap_outs,
             "swapped_blocks": self.scheduler.num_swapped_blocks,
+            "rope_recomputes": self.scheduler.num_rope_recomputes,
             "linear_backend": "onednn" if self.runner.model.lm_head.packed is not None else "torch",
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **self._stats.kv_figures(),
@@ -490,5 +500,6 @@ class LLMEngine:
             "runner_prepare_s": tm.prepare + tm.copy,
             "forward_s": tm.forward,
             "attention_s": tm.attention,
+            "expert_s": tm.experts,
             "lm_head_s": tm.lm_head,
         }

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager, PrefixMatch
-from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, is_long_rope, long_rope_key
 from batchgen.step import Chunk, CopyPair, StepBatch, Swap
 from batchgen.utils import cdiv
 
@@ -74,6 +74,7 @@ class SchedulerOutput:
                 table_of(s.seq.seq_id),
                 s.samples,
                 s.seq.group.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens - 1,
+                s.seq.num_tokens,
             )
             for s in self.scheduled
         ]
@@ -96,8 +97,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
+        rope_switch: int | None = None,
     ) -> None:
         self.bm = block_manager
+        # LongRoPE's switch length: a group growing past it is recomputed (``_schedule_running``).
+        self.rope_switch = rope_switch
+        self.num_rope_recomputes = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -136,6 +141,8 @@ class Scheduler:
         out = SchedulerOutput()
         self.bm.begin_step()
         budget = self.max_num_batched_tokens
+        self._switch_rope(out)
+        recomputing = len(out.preempted)  # for LongRoPE, not for want of memory
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
@@ -144,11 +151,12 @@ class Scheduler:
                 continue
             budget -= scheduled
             i += 1
-        if not out.preempted and not out.swapped_out:
+        pressure = len(out.preempted) > recomputing
+        if not pressure and not out.swapped_out:
             budget = self._swap_in(out, budget)
 
         computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
-        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
+        while self.waiting and budget > 0 and len(out.preempted) == recomputing and not self.swapped:
             group = self.waiting[0]
             plans, need = self._plan(group, budget)
             if not plans or not self._can_admit(group, need):
@@ -178,6 +186,21 @@ class Scheduler:
             self.num_running_seqs + group.max_seqs <= self.max_num_seqs
             and blocks + self.watermark <= self.bm.num_free_blocks
         )
+
+    def _switch_rope(self, out: SchedulerOutput) -> None:
+        """LongRoPE: a sequence past the switch length takes the long frequencies at every
+        position. A running group that grew past it is recomputed with them (first among the
+        waiting), and caches its blocks apart from short-computed ones."""
+        switch = self.rope_switch
+        if switch is None:
+            return
+        for group in list(self.running):
+            if is_long_rope(group.cache_key) or all(s.num_tokens <= switch for s in group.live_seqs):
+                continue
+            group.cache_key = long_rope_key(group.cache_key)
+            self.running.remove(group)
+            self.num_rope_recomputes += 1
+            self._requeue(group, out)
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int | None:
         while True:

@@ -71,6 +71,16 @@ class Sequence:
         assert self.num_prompt_tokens <= self.num_tokens
 
 
+def long_rope_key(cache_key: object) -> object:
+    """The cache key of a group computed with LongRoPE's long frequencies: its blocks are shared
+    only with others computed so (the same tokens hold other K values with the short ones)."""
+    return ("long-rope", cache_key)
+
+
+def is_long_rope(cache_key: object) -> bool:
+    return isinstance(cache_key, tuple) and len(cache_key) == 2 and cache_key[0] == "long-rope"
+
+
 @dataclass(eq=False)
 class SequenceGroup:
     """One request. ``seqs`` starts with one sequence holding the prompt; a sampling request with

@@ -58,6 +58,19 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between the attention of one layer and another's, across the families:
+    the score scale, a sliding window (the last ``window`` positions, the token's own included),
+    logit soft-capping (``softcap * tanh(score / softcap)``, Gemma 2) and attention sinks (one
+    learned logit per query head in the softmax denominator, gpt-oss)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [heads] float32
+
+
 class AttentionBackend(Protocol):
     seconds: float  # time spent in ``forward`` where the host can measure it
 
@@ -69,8 +82,7 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
+        layer: LayerAttention,
     ) -> torch.Tensor:  # [T, heads, head_dim]
         ...
 
@@ -90,6 +102,21 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return cache[:, block_table].flatten(-3, -2)
 
 
+def _softmax(scores: torch.Tensor, layer: LayerAttention, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of masked scores, with the sink logits (already shaped to
+    broadcast against ``scores[..., :1]``) as one more column that is dropped afterwards."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 class TorchAttention:
     """Reference backend in plain torch: gathers blocks and computes attention with matmuls.
     The caches are head-major: [kv_heads, num_blocks, block_size, head_dim].
@@ -98,24 +125,28 @@ class TorchAttention:
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
         t0 = time.perf_counter()
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, layer)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale, sliding_window)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
         self.seconds += time.perf_counter() - t0
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window):
+    def _decode(self, q, k_cache, v_cache, meta, layer):
         nd, h, d = q.shape
         kvh = k_cache.shape[0]
         g = h // kvh
-        qh = (q * scale).view(nd, kvh, g, d).transpose(0, 1)  # [kvh, nd, g, d]
+        window = layer.window
+        capped = layer.softcap is not None
+        # With soft-capping the scale applies to the scores (tanh is not linear); else to q, once.
+        qh = (q if capped else q * layer.scale).view(nd, kvh, g, d).transpose(0, 1)  # [kvh, nd, g, d]
+        sinks = None if layer.sinks is None else layer.sinks.view(kvh, 1, 1, g, 1)
         out = torch.empty((kvh, nd, g, d), dtype=q.dtype, device=q.device)
         for gb in meta.decode_groups:
             groups, rows = gb.row_index.shape
@@ -123,32 +154,44 @@ class TorchAttention:
             values = gather(v_cache, gb.block_tables)
             length = keys.shape[2]
             s = torch.matmul(qh[:, gb.row_index].reshape(kvh, groups, rows * g, d), keys.transpose(-1, -2))
+            if capped:
+                s = _cap(s * layer.scale, layer.softcap)
             mask = gb.mask
             if window is not None:  # groups are single rows here: key position = absolute position
                 pos = torch.arange(length, device=q.device)
                 mask = mask & (pos[None, None, :] > gb.context_lens[:, :, None] - 1 - window)
             s = s.view(kvh, groups, rows, g, length).masked_fill(~mask[None, :, :, None, :], float("-inf"))
-            p = torch.softmax(s, dim=-1).view(kvh, groups, rows * g, length)
+            p = _softmax(s, layer, sinks).view(kvh, groups, rows * g, length)
             o = torch.matmul(p, values).view(kvh, groups, rows, g, d)
             out[:, gb.row_index[gb.row_valid]] = o[:, gb.row_valid]
         return out.transpose(0, 1).reshape(nd, h, d)
 
-    def _prefill(self, q, k_cache, v_cache, chunk, scale, window):
+    def _prefill(self, q, k_cache, v_cache, chunk, layer):
         n, ctx = chunk.num_tokens, chunk.context_len
         keys = gather(k_cache, chunk.block_table)[:, :ctx]  # [kvh, ctx, d]
         values = gather(v_cache, chunk.block_table)[:, :ctx]
         qh = q.transpose(0, 1)  # [h, n, d]
-        gqa = keys.shape[0] != qh.shape[0]
-        if ctx == n and window is None:
-            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
+        kvh, h = keys.shape[0], qh.shape[0]
+        window, scale = layer.window, layer.scale
+        mask = None
+        if ctx != n or window is not None or layer.softcap is not None or layer.sinks is not None:
             qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             kpos = torch.arange(ctx, device=q.device)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return o.transpose(0, 1)
+        if layer.softcap is None and layer.sinks is None:
+            o = F.scaled_dot_product_attention(
+                qh, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=kvh != h
+            )
+            return o.transpose(0, 1)
+        assert mask is not None  # built above whenever soft-capping or sinks are on
+        g = h // kvh
+        s = torch.matmul(qh.reshape(kvh, g * n, -1), keys.transpose(-1, -2)).view(kvh, g, n, ctx)
+        s = _cap(s * scale, layer.softcap).masked_fill(~mask, float("-inf"))
+        sinks = None if layer.sinks is None else layer.sinks.view(kvh, g, 1, 1)
+        p = _softmax(s, layer, sinks).view(kvh, g * n, ctx)
+        return torch.matmul(p, values).view(h, n, -1).transpose(0, 1)
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -1,33 +1,54 @@
-"""Building blocks of the Llama family, written to match transformers' float32 arithmetic."""
+"""Building blocks of the supported families, written to match transformers' float32 arithmetic."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm scaled by ``offset + weight`` (Gemma stores ``weight`` around 0 and scales by
+    ``1 + weight``, in float32 before casting back)."""
     dtype = x.dtype
+    if offset:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * (offset + weight.float())).to(dtype)
     if dtype == torch.float32 and weight.dtype == torch.float32:
         # torch's fused kernel: the same arithmetic as transformers' in float32, one op
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(dtype)
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling of the config's RoPE type (transformers' own code)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = dict(getattr(config, "rope_parameters", None) or {})
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE settings of the config (of one layer type where they differ per layer type)."""
+    params = getattr(config, "rope_parameters", None)
+    if params and layer_type is not None and layer_type in params:
+        return dict(params[layer_type])
+    params = dict(params or {})
     if not params:  # transformers < 5 keeps rope_theta / rope_scaling on the config
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(
+    config, layer_type: str | None = None, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling of the config's RoPE type (transformers' own code)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rope_type == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv_freq, 1.0
     if rope_type == "dynamic":
         raise ValueError(
@@ -37,27 +58,79 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
         )
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    kwargs: dict = {"seq_len": seq_len}
+    if layer_type is not None and layer_type in (getattr(config, "rope_parameters", None) or {}):
+        kwargs["layer_type"] = layer_type
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)
 
 
+def _table(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
 class Rotary:
-    """cos / sin tables for every position up to ``max_positions``, indexed by position ids."""
+    """cos / sin tables for every position up to ``max_positions``, indexed by position ids.
 
-    def __init__(self, config, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq, scaling = rope_inv_freq(config)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
+    LongRoPE (Phi-3 long-context models) has two sets of frequencies: a sequence longer than
+    ``original_max_position_embeddings`` uses the long one at every position, a shorter one the
+    short one (transformers' ``generate`` recomputes its cache when a sequence crosses that
+    length; the scheduler does the same). ``rope_lengths`` gives each token its sequence's
+    length. Only the first ``dim`` channels of a head rotate (partial rotary)."""
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(
+        self,
+        config,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        layer_type: str | None = None,
+    ) -> None:
+        params = rope_parameters(config, layer_type)
+        self.long_after: int | None = None
+        inv_freq, scaling = rope_inv_freq(config, layer_type)
+        cos, sin = _table(inv_freq, scaling, max_positions)
+        if params.get("rope_type", params.get("type")) == "longrope":
+            self.long_after = int(params["original_max_position_embeddings"])
+            long_freq, long_scaling = rope_inv_freq(config, layer_type, seq_len=self.long_after + 1)
+            lcos, lsin = _table(long_freq, long_scaling, max_positions)
+            cos, sin = torch.cat([cos, lcos]), torch.cat([sin, lsin])
+        self.max_positions = max_positions
+        self.dim = cos.shape[-1]
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
+
+    def __call__(
+        self, positions: torch.Tensor, rope_lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.long_after is not None:
+            lengths = positions + 1 if rope_lengths is None else rope_lengths
+            positions = positions + (lengths > self.long_after).long() * self.max_positions
         return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
-    half = x.shape[-1] // 2
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, rotary_dim] (rotary_dim <= head_dim: the
+    remaining channels pass through)."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu": F.gelu,
+}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from batchgen.model.families import SUPPORTED_ARCHITECTURES
 
 
 class ModelLoadError(ValueError):

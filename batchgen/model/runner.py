@@ -24,8 +24,8 @@ from batchgen.model.attention import (
     TorchAttention,
     make_backend,
 )
+from batchgen.model.decoder import DecoderModel
 from batchgen.model.graphs import DecodeGraphs, HostStaging
-from batchgen.model.llama import LlamaModel
 from batchgen.model.malloc import keep_freed_memory
 from batchgen.step import Chunk, CopyPair, StepBatch, StepResult
 from batchgen.utils import cdiv
@@ -58,12 +58,13 @@ GPU_RESERVE_BYTES = 2 * 2**30
 @dataclass
 class RunnerTimes:
     """Seconds spent, summed over steps: block copies, input building, the model forward (of which
-    attention), and the LM head."""
+    attention and, in mixture-of-experts models, the experts' GEMMs), and the LM head."""
 
     copy: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
     attention: float = 0.0
+    experts: float = 0.0
     lm_head: float = 0.0
 
 
@@ -91,7 +92,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             hf_config, cfg.model, self.device, self.dtype, max_model_len, linear_backend=cfg.linear_backend
         )
         self.backend = make_backend(cfg.attention_backend, self.device)
@@ -100,7 +101,7 @@ class ModelRunner:
         self.per_token_layout = not isinstance(self.backend, TorchAttention)
         # Decode rows sharing leading blocks attend as one group (not with sliding windows: a group's
         # key positions are not absolute there).
-        self.group_shared_prefixes = all(lw.sliding_window is None for lw in self.model.layers)
+        self.group_shared_prefixes = all(lw.attn.window is None for lw in self.model.layers)
         self.min_shared_blocks = 2
         self.max_group_rows = 8
         self.block_size = cfg.block_size
@@ -224,12 +225,17 @@ class ModelRunner:
                 self.times.forward += t3 - t2
                 return StepResult(logits, {})
         input_ids, pos_t, meta = self._metadata(lay)
+        rope_lengths = None
+        if self.model.long_rope_after is not None:  # LongRoPE: see ``Rotary``
+            lengths = np.fromiter((s.seq_len for s in lay.order), dtype=np.int64, count=len(lay.order))
+            rope_lengths = torch.from_numpy(lengths[lay.seq_of_token]).to(self.device)
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(lay.order)}
         last = [int(lay.cu[row_of[id(s)] + 1]) - 1 for s in batch.chunks if s.samples]
         t2 = time.perf_counter()
         attention_before = self.backend.seconds
-        hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend)
+        experts_before = self.model.expert_seconds()
+        hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend, rope_lengths)
         self._sync()
         t3 = time.perf_counter()
         dev = self.device
@@ -250,6 +256,7 @@ class ModelRunner:
         tm.prepare += t2 - t1
         tm.forward += t3 - t2
         tm.attention += self.backend.seconds - attention_before
+        tm.experts += self.model.expert_seconds() - experts_before
         tm.lm_head += t4 - t3
         return StepResult(logits, chunk_logits)
 

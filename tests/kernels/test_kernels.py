@@ -1,6 +1,7 @@
 """Each Triton kernel against its torch reference (under TRITON_INTERPRET=1 on a CPU machine):
 random block tables over non-contiguous blocks, lengths at block boundaries, GQA ratios 1 / 4 / 8,
-prefill chunks over a cached prefix mixed with decode tokens, split-KV, sliding windows."""
+prefill chunks over a cached prefix mixed with decode tokens, split-KV, sliding windows, logit
+soft-capping and attention sinks."""
 
 from __future__ import annotations
 
@@ -63,6 +64,38 @@ def test_paged_attention_matches_reference(kvh, h, bs):
             out=out,
         )
         assert torch.isfinite(out).all()
+        assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
+
+
+@pytest.mark.parametrize("softcap, use_sinks, window", [(5.0, False, None), (None, True, 7), (2.0, True, 5)])
+def test_paged_attention_softcap_and_sinks(softcap, use_sinks, window):
+    """Gemma 2's soft-capping and gpt-oss's sinks (with sliding windows, as those models use them),
+    one split and three (the sink must count once across splits)."""
+    gen = torch.Generator().manual_seed(11)
+    kvh, h, d, bs, nb = 2, 4, 16, 8, 30
+    tables, rows, ctx = mixed_batch(gen, [(bs - 1, 1), (3 * bs + 2, 1), (2 * bs, 6), (0, bs + 3)], bs, nb)
+    q = 3 * torch.randn((len(rows), h, d), generator=gen)  # large scores: the cap bites
+    kc, vc = torch.randn((kvh, nb, bs, d), generator=gen), torch.randn((kvh, nb, bs, d), generator=gen)
+    sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
+    ref = paged_attention_ref(q, kc, vc, tables, rows, ctx, 0.5, window=window, softcap=softcap, sinks=sinks)
+    if use_sinks:  # the sink takes probability mass: the output is not a convex mix of values alone
+        plain = paged_attention_ref(q, kc, vc, tables, rows, ctx, 0.5, window=window, softcap=softcap)
+        assert not torch.allclose(ref, plain, atol=1e-3)
+    for splits in (1, 3):
+        out = paged_attention(
+            q.to(DEV),
+            kc.to(DEV),
+            vc.to(DEV),
+            tables.to(DEV),
+            rows.to(DEV),
+            ctx.to(DEV),
+            0.5,
+            max_context=int(ctx.max()),
+            window=window,
+            num_splits=splits,
+            softcap=softcap,
+            sinks=None if sinks is None else sinks.to(DEV),
+        )
         assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
 
 

@@ -9,11 +9,13 @@ import torch
 pytest.importorskip("triton")
 
 from batchgen import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from batchgen.tiny import FAMILY_ARCHS  # noqa: E402
 from tests.oracle import hf_greedy  # noqa: E402
 
 
 def tiny_model(tmp_path, arch: str, seed: int, num_kv_heads: int, num_layers: int) -> str:
-    """A 4-head, hidden-32 model: small enough for the Triton interpreter."""
+    """A 4-head, hidden-32 model: small enough for the Triton interpreter (experts and their size
+    are the family's small defaults)."""
     from batchgen.tiny import make_model
 
     return str(
@@ -106,3 +108,27 @@ def test_decode_graph_path_skips_steps_with_a_one_token_prefill_chunk(tmp_path):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, p, 3)
     assert llm.engine.runner.graphs.replays > 0
+
+
+@pytest.mark.parametrize("arch", FAMILY_ARCHS)
+def test_every_family_with_triton_backend(tmp_path, arch):
+    """Each family's attention (soft-capping, sinks, per-layer windows of 12 and RoPE, partial
+    rotary, q/k norms) through the Triton kernels: greedy tokens equal transformers', prompts past
+    the window, chunked prefill over cached blocks and a copy-on-write fork."""
+    path = tiny_model(tmp_path, arch, seed=7, num_kv_heads=2, num_layers=2)
+    llm = LLM(
+        path,
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        block_size=8,
+        num_kv_blocks=32,
+        max_num_batched_tokens=12,
+    )
+    prompts = [[5], list(range(20, 37))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, 3), f"{arch} prompt of {len(p)}"
+    out = llm.generate([prompts[1]], SamplingParams(n=2, top_k=1, max_tokens=3, ignore_eos=True))[0]
+    assert all(c.token_ids == outs[1].outputs[0].token_ids for c in out.outputs)
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 16

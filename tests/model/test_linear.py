@@ -56,13 +56,20 @@ def test_linear_backend_setting():
 
 
 @needs_onednn
-def test_engine_packs_its_cpu_weights_unless_told_not_to(llama_dir):
-    llm = LLM(llama_dir, dtype="float32", device="cpu")
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_engine_packs_its_cpu_weights_unless_told_not_to(tmp_path, arch):
+    from batchgen.tiny import make_model
+
+    path = str(make_model(tmp_path / arch, arch))
+    llm = LLM(path, dtype="float32", device="cpu")
     assert llm.stats()["linear_backend"] == "onednn"
     packed = llm.engine.runner.model
-    layers = [packed.lm_head] + [x for lw in packed.layers for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
-    assert all(layer.packed is not None for layer in layers)
-    plain_llm = LLM(llama_dir, dtype="float32", device="cpu", linear_backend="torch")
+    # qkv, o and the MLP's two per layer, and the LM head; the one MoE layer (of 2) has a router,
+    # two per expert (6) and the shared expert's two and its gate in place of the MLP's two
+    moe = 1 + 2 * 6 + 3 - 2 if arch == "qwen2_moe" else 0
+    assert len(packed.linears) == 4 * 2 + 1 + moe
+    assert all(layer.packed is not None for layer in packed.linears)
+    plain_llm = LLM(path, dtype="float32", device="cpu", linear_backend="torch")
     assert plain_llm.stats()["linear_backend"] == "torch"
     plain = plain_llm.engine.runner.model
     assert plain.lm_head.packed is None and plain.layers[0].qkv.packed is None

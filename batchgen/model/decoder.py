@@ -1,0 +1,332 @@
+"""The decoder of every supported family (``batchgen/model/families.py``) as plain tensors,
+running over a flattened batch of tokens (no padding) with a paged KV cache.
+
+One layer is: optional norms before and after attention and before and after the MLP (Llama
+normalizes before each, Gemma before and after, OLMo 2 after), attention with optional q/k norms,
+per-layer RoPE tables, sliding windows, soft-capping and sinks, then a dense gated MLP or a
+mixture of experts. q/k/v and gate/up projections are fused into one matrix each at load time
+(fewer, larger GEMMs), and on the CPU every projection is packed for oneDNN's GEMM
+(``batchgen/model/linear.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.model import mxfp4
+from batchgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from batchgen.model.families import family_of
+from batchgen.model.layers import ACTIVATIONS, Rotary, apply_rotary, rms_norm
+from batchgen.model.linear import Linear, packing_wanted
+from batchgen.model.loader import ModelLoadError, iter_weights
+from batchgen.model.moe import (
+    Expert,
+    MoE,
+    clamped_swiglu,
+    dense_unit,
+    softmax_then_topk,
+    topk_then_softmax,
+)
+
+
+@dataclass
+class LayerWeights:
+    norms: tuple[torch.Tensor | None, ...]  # before / after attention, before / after the MLP
+    qkv: Linear
+    o_proj: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    attn: LayerAttention
+    rotary: Rotary
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Weights:
+    """The checkpoint's tensors by name (``model.`` stripped), taken once each, cast on the way."""
+
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_dir, self.device, self.dtype = model_dir, device, dtype
+        self.w: dict[str, torch.Tensor] = {}
+        for name, tensor in iter_weights(model_dir):
+            self.w[name.removeprefix("model.")] = tensor
+
+    def has(self, name: str) -> bool:
+        return name in self.w
+
+    def raw(self, name: str) -> torch.Tensor:
+        if name not in self.w:
+            raise ModelLoadError(f"checkpoint in {self.model_dir!r} is missing tensor {name!r}")
+        return self.w.pop(name)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.take(name) if name in self.w else None
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+
+class DecoderModel:
+    def __init__(
+        self,
+        config,
+        model_dir: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        linear_backend: str = "auto",
+    ) -> None:
+        self.config = c = config
+        try:
+            self.family = family_of(config)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        self.device, self.dtype = device, dtype
+        self.num_layers = c.num_hidden_layers
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.num_heads
+        self.hidden_size = c.hidden_size
+        self.vocab_size = c.vocab_size
+        self.eps = c.rms_norm_eps
+        self.final_softcap = getattr(c, "final_logit_softcapping", None)
+        if getattr(c, "use_bidirectional_attention", False):
+            raise ModelLoadError("use_bidirectional_attention=True (an embedding model) cannot generate")
+        quant = getattr(c, "quantization_config", None)
+        self.quant_method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if self.quant_method not in (None, "mxfp4") or (self.quant_method and self.family.moe != "gpt_oss"):
+            raise ModelLoadError(
+                f"quantization {self.quant_method!r} is not supported (only gpt-oss's MXFP4 experts, "
+                "dequantized at load); use an unquantized checkpoint"
+            )
+        act_name = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")
+        if act_name not in ACTIVATIONS:
+            raise ModelLoadError(f"unsupported activation {act_name!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act_name]
+        self._max_positions = max_positions
+        self._rotaries: dict[str | None, Rotary] = {}
+        self.linears: list[Linear] = []  # every projection, expert and router, and the LM head
+        self._pack = packing_wanted(linear_backend, device, dtype)
+        self._strict = linear_backend == "onednn"
+        self._load(model_dir)
+        # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
+        self.long_rope_after = next((r.long_after for r in self._rotaries.values() if r.long_after), None)
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        layer = Linear(weight, bias, pack=self._pack, strict=self._strict)
+        self.linears.append(layer)
+        return layer
+
+    # -- per-layer settings from the config -----------------------------------------------------
+    def _layer_types(self) -> list[str | None]:
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else [None] * self.num_layers
+
+    def _windows(self) -> list[int | None]:
+        c = self.config
+        window = getattr(c, "sliding_window", None)
+        if window is None or getattr(c, "use_sliding_window", True) is False:
+            return [None] * self.num_layers
+        types = getattr(c, "layer_types", None)
+        if types:
+            return [window if t == "sliding_attention" else None for t in types]
+        return [window] * self.num_layers
+
+    def _rotary(self, layer_type: str | None) -> Rotary:
+        params = getattr(self.config, "rope_parameters", None) or {}
+        key = layer_type if layer_type in params else None  # Gemma 3: RoPE per layer type
+        if key not in self._rotaries:
+            self._rotaries[key] = Rotary(self.config, self._max_positions, self.device, self.dtype, key)
+        return self._rotaries[key]
+
+    def _sparse(self, i: int) -> bool:
+        c, moe = self.config, self.family.moe
+        if moe in ("qwen2_moe", "qwen3_moe"):
+            return (
+                i not in (getattr(c, "mlp_only_layers", None) or [])
+                and c.num_experts > 0
+                and (i + 1) % getattr(c, "decoder_sparse_step", 1) == 0
+            )
+        return moe is not None
+
+    # -- loading -------------------------------------------------------------------------------
+    def _load(self, model_dir: str) -> None:
+        w = _Weights(model_dir, self.device, self.dtype)
+        fam, c = self.family, self.config
+        self.embed = w.take("embed_tokens.weight")
+        self.embed_scale = (
+            torch.tensor(self.hidden_size**0.5, dtype=self.dtype, device=self.device) if fam.embed_scale else None
+        )
+        scale = (getattr(c, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        softcap = getattr(c, "attn_logit_softcapping", None)
+        windows, types = self._windows(), self._layer_types()
+        self.layers = []
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            if fam.qkv_fused:
+                qkv_weight = w.take(a + "qkv_proj.weight")
+                qkv_bias = w.optional(a + "qkv_proj.bias")
+            else:
+                qkv_weight = torch.cat([w.take(a + f"{x}_proj.weight") for x in "qkv"]).contiguous()
+                biases = [w.optional(a + f"{x}_proj.bias") for x in "qkv"]
+                present = [b for b in biases if b is not None]
+                qkv_bias = torch.cat(present) if len(present) == 3 else None
+            sinks = w.raw(a + "sinks").float().to(self.device).contiguous() if fam.sinks else None
+            self.layers.append(
+                LayerWeights(
+                    norms=tuple(None if n is None else w.take(p + n + ".weight") for n in fam.norms),
+                    qkv=self._linear(qkv_weight, qkv_bias),
+                    o_proj=self._linear(w.take(a + "o_proj.weight"), w.optional(a + "o_proj.bias")),
+                    q_norm=w.take(a + "q_norm.weight") if fam.qk_norm else w.optional(a + "q_norm.weight"),
+                    k_norm=w.take(a + "k_norm.weight") if fam.qk_norm else w.optional(a + "k_norm.weight"),
+                    attn=LayerAttention(scale, windows[i], softcap, sinks),
+                    rotary=self._rotary(types[i]),
+                    mlp=self._moe(w, p) if self._sparse(i) else self._dense(w, p + "mlp."),
+                )
+            )
+        self.norm = w.take("norm.weight")
+        if w.has("lm_head.weight"):
+            self.lm_head = self._linear(w.take("lm_head.weight"))
+        elif getattr(c, "tie_word_embeddings", False):
+            self.lm_head = self._linear(self.embed)
+        else:
+            raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor 'lm_head.weight'")
+
+    def _dense(self, w: _Weights, p: str, act=None) -> Callable[[torch.Tensor], torch.Tensor]:
+        expert = self._expert_from(w, p)
+        unit = dense_unit(act or self.act)
+        return lambda x: expert.down(unit(expert.gate_up(x)))
+
+    def _expert_from(self, w: _Weights, p: str, names=("gate_proj", "up_proj", "down_proj")) -> Expert:
+        if w.has(p + "gate_up_proj.weight"):  # Phi-3
+            gate_up = w.take(p + "gate_up_proj.weight")
+        else:
+            gate_up = torch.cat([w.take(p + names[0] + ".weight"), w.take(p + names[1] + ".weight")]).contiguous()
+        return Expert(self._linear(gate_up), self._linear(w.take(p + names[2] + ".weight")))
+
+    def _moe(self, w: _Weights, p: str) -> MoE:
+        c, kind = self.config, self.family.moe
+        if kind == "gpt_oss":
+            return self._gpt_oss_moe(w, p + "mlp.")
+        k = c.num_experts_per_tok
+        num = c.num_local_experts if kind == "mixtral" else c.num_experts
+        mlp = p + ("block_sparse_moe." if w.has(p + "block_sparse_moe.gate.weight") else "mlp.")
+        renormalize = True if kind == "mixtral" else bool(getattr(c, "norm_topk_prob", False))
+        router = self._linear(w.take(mlp + "gate.weight"))
+        if w.has(mlp + "experts.gate_up_proj"):  # transformers >= 5's fused layout: [E, 2I, H], [E, H, I]
+            gate_up, down = w.take(mlp + "experts.gate_up_proj"), w.take(mlp + "experts.down_proj")
+            experts = [Expert(self._linear(gate_up[e].contiguous()), self._linear(down[e].contiguous())) for e in range(num)]
+        else:
+            names = ("w1", "w3", "w2") if mlp.endswith("block_sparse_moe.") else ("gate_proj", "up_proj", "down_proj")
+            experts = [self._expert_from(w, f"{mlp}experts.{e}.", names) for e in range(num)]
+        shared = shared_gate = None
+        if kind == "qwen2_moe":
+            shared = self._expert_from(w, mlp + "shared_expert.")
+            shared_gate = self._linear(w.take(mlp + "shared_expert_gate.weight"))
+        return MoE(
+            router,
+            partial(softmax_then_topk, k=k, renormalize=renormalize),
+            experts,
+            dense_unit(self.act),
+            shared,
+            shared_gate,
+        )
+
+    def _gpt_oss_moe(self, w: _Weights, mlp: str) -> MoE:
+        """gpt-oss stores experts fused and transposed ([E, H, 2I] with gate and up interleaved
+        along the last axis, [E, I, H]) in bfloat16, or as MXFP4 blocks / scales ([E, 2I, ...],
+        [E, H, ...]: already [out, in]). Both become one [gate; up] and one down matrix per expert."""
+        c = self.config
+
+        def matrix(name: str) -> torch.Tensor:  # [E, out, in]
+            if w.has(name + "_blocks"):
+                blocks, scales = w.raw(name + "_blocks"), w.raw(name + "_scales")
+                try:
+                    return mxfp4.dequantize(blocks, scales, torch.float32)
+                except ValueError as e:
+                    raise ModelLoadError(f"{name} in {w.model_dir!r}: {e}") from e
+            return w.raw(name).float().transpose(1, 2)
+
+        gate_up = matrix(mlp + "experts.gate_up_proj")
+        down = matrix(mlp + "experts.down_proj")
+        gate_up_bias = w.raw(mlp + "experts.gate_up_proj_bias").float()
+        down_bias = w.take(mlp + "experts.down_proj_bias")
+        experts = []
+        for e in range(c.num_local_experts):
+            weight = torch.cat([gate_up[e, 0::2], gate_up[e, 1::2]])  # de-interleave to [gate; up]
+            bias = torch.cat([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]])
+            cast = partial(torch.Tensor.to, device=self.device, dtype=self.dtype)
+            experts.append(
+                Expert(
+                    self._linear(cast(weight).contiguous(), cast(bias).contiguous()),
+                    self._linear(cast(down[e]).contiguous(), down_bias[e].contiguous()),
+                )
+            )
+        router = self._linear(w.take(mlp + "router.weight"), w.take(mlp + "router.bias"))
+        return MoE(
+            router,
+            partial(topk_then_softmax, k=c.num_experts_per_tok),
+            experts,
+            partial(clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit),
+        )
+
+    def expert_seconds(self) -> float:
+        """Time spent in expert GEMMs so far (host time), summed over the MoE layers."""
+        return sum(lw.mlp.seconds for lw in self.layers if isinstance(lw.mlp, MoE))
+
+    # -- forward -------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else rms_norm(x, weight, self.eps, self.family.norm_offset)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,  # [layers, 2 (K, V), kv_heads, num_blocks + 1, block_size, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rope_lengths: torch.Tensor | None = None,  # [T] the length LongRoPE sees (see ``Rotary``)
+    ) -> torch.Tensor:
+        """Hidden states after the final norm for every token of the flattened batch."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        full_qk = self.family.qk_norm == "full"
+        x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = {id(r): r(positions, rope_lengths) for r in self._rotaries.values()}
+        t = x.shape[0]
+        for i, lw in enumerate(self.layers):
+            cos, sin = tables[id(lw.rotary)]
+            attn_in, attn_out, mlp_in, mlp_out = lw.norms
+            residual = x
+            qkv = lw.qkv(self._norm(x, attn_in))
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q, k = qkv[:, : h * d], qkv[:, h * d : (h + kvh) * d]
+                if full_qk:  # OLMo 2: over all heads at once
+                    q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
+                q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)
+                if not full_qk:
+                    q, k = self._norm(q, lw.q_norm), self._norm(k, lw.k_norm)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            else:  # q and k side by side in qkv: rotate both in one pass
+                qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+                q, k = qk[:, :h], qk[:, h:]
+            o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, lw.attn)
+            x = residual + self._norm(lw.o_proj(o.reshape(t, h * d)), attn_out)
+            residual = x
+            x = residual + self._norm(lw.mlp(self._norm(x, mlp_in)), mlp_out)
+        return self._norm(x, self.norm)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
