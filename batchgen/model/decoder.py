@@ -256,17 +256,14 @@ class DecoderModel:
         down = matrix(mlp + "experts.down_proj")
         gate_up_bias = w.raw(mlp + "experts.gate_up_proj_bias").float()
         down_bias = w.take(mlp + "experts.down_proj_bias")
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=self.dtype).contiguous()
+
         experts = []
         for e in range(c.num_local_experts):
             weight = torch.cat([gate_up[e, 0::2], gate_up[e, 1::2]])  # de-interleave to [gate; up]
             bias = torch.cat([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]])
-            cast = partial(torch.Tensor.to, device=self.device, dtype=self.dtype)
-            experts.append(
-                Expert(
-                    self._linear(cast(weight).contiguous(), cast(bias).contiguous()),
-                    self._linear(cast(down[e]).contiguous(), down_bias[e].contiguous()),
-                )
-            )
+            experts.append(Expert(self._linear(cast(weight), cast(bias)), self._linear(cast(down[e]), down_bias[e])))
         router = self._linear(w.take(mlp + "router.weight"), w.take(mlp + "router.bias"))
         return MoE(
             router,
@@ -274,6 +271,10 @@ class DecoderModel:
             experts,
             partial(clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(isinstance(lw.mlp, MoE) for lw in self.layers)
 
     def expert_seconds(self) -> float:
         """Time spent in expert GEMMs so far (host time), summed over the MoE layers."""

@@ -137,9 +137,10 @@ class ModelRunner:
                     f"preemption ({self.num_host_blocks} blocks); lower swap_space_gb ({e})"
                 ) from e
         self.staging = HostStaging(self.device)
-        # Decode steps replay CUDA graphs (the Triton backend's per-token layout, on CUDA only).
+        # Decode steps replay CUDA graphs (the Triton backend's per-token layout, on CUDA only; not
+        # for mixture-of-experts models, whose expert loop reads token counts on the host).
         self.graphs: DecodeGraphs | None = None
-        if cfg.cuda_graphs and self.device.type == "cuda" and self.per_token_layout:
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.per_token_layout and not self.model.is_moe:
             try:
                 self.graphs = DecodeGraphs(self, min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
             except RuntimeError as e:  # a capture failure costs speed, not results
