@@ -22,6 +22,9 @@ class EngineConfig:
     the "host" is the same memory).
     ``cuda_graphs``: on CUDA with the Triton backend, decode steps of up to 256 sequences replay
     graphs captured at bucketed batch sizes (``batchgen/model/graphs.py``).
+    ``admission_order``: "prefix" admits the requests of one ``generate`` call (or a job's lookahead
+    window) so that those sharing a prompt prefix run together (``batchgen/engine/admission.py``),
+    and computes identical deterministic requests once; "input" admits them in the order given.
     """
 
     model: str
@@ -44,6 +47,7 @@ class EngineConfig:
     num_threads: int | None = None
     debug_checks: bool = False
     tokenizer: str | None = None  # a tokenizer directory other than the model's
+    admission_order: str = "prefix"  # "prefix": rows sharing a prefix run together; "input"
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:
@@ -78,6 +82,8 @@ class EngineConfig:
             raise bad("preemption_mode", "one of auto, recompute, swap")
         if not self.swap_space_gb > 0:
             raise bad("swap_space_gb", "> 0")
+        if self.admission_order not in ("prefix", "input"):
+            raise bad("admission_order", "one of prefix, input")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

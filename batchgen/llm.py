@@ -3,6 +3,7 @@ done, and returns one ``RequestOutput`` per prompt in input order."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig
+from batchgen.engine.admission import duplicate_key, prefix_order
 from batchgen.engine.engine import LLMEngine
 from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -31,6 +33,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(str(model), **_from_vllm_kwargs(str(model), kwargs))
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        self.duplicates_merged = 0  # identical deterministic requests computed once (admission_order="prefix")
 
     @property
     def tokenizer(self):
@@ -80,8 +83,22 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [str(next(self._ids)) for _ in checked]
-        for rid, (prepared, p) in zip(ids, checked, strict=True):
-            engine.add_request(rid, prepared, p)
+        order: Sequence[int] = range(len(checked))
+        by_prefix = engine.cfg.admission_order == "prefix"
+        if by_prefix and len(checked) > 1:
+            order = prefix_order([prepared.token_ids for prepared, _ in checked], engine.block_size)
+        leaders: dict[tuple, str] = {}
+        copies: dict[str, str] = {}  # a duplicate's request id -> the id of the request computed
+        for i in order:
+            prepared, p = checked[i]
+            key = duplicate_key(prepared.token_ids, p) if by_prefix else None
+            if key is not None and key in leaders:
+                copies[ids[i]] = leaders[key]
+                continue
+            if key is not None:
+                leaders[key] = ids[i]
+            engine.add_request(ids[i], prepared, p)
+        self.duplicates_merged += len(copies)
 
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(ids) >= 32
@@ -94,6 +111,10 @@ class LLM:
                     generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                     bar.set_postfix(gen_tokens=generated, refresh=False)
+            for rid, leader in copies.items():  # identical requests: the same output, their own id
+                results[rid] = copy.deepcopy(results[leader])
+                results[rid].request_id = rid
+                bar.update(1)
         except BaseException:
             # An interrupt or an error mid-run: drop this call's requests so the engine stays usable.
             for rid in ids:
@@ -107,7 +128,7 @@ class LLM:
     def stats(self) -> dict[str, float | int | str]:
         """KV-cache figures: pool size, peak blocks used, copy-on-write copies, prefix-cache hits,
         peak KV tokens held logically (sum over live sequences) and physically (slots in used blocks)."""
-        return self.engine.stats()
+        return {**self.engine.stats(), "duplicate_requests_merged": self.duplicates_merged}
 
     def chat(
         self,

@@ -42,6 +42,8 @@ class Workload:
     notes: str = ""
     extra: dict = field(default_factory=dict)
     moe: bool = False  # runs on the mixture-of-experts bench model
+    engine: dict = field(default_factory=dict)  # engine settings of this workload
+    baseline_batch_sizes: list[int] | None = None  # instead of --baseline-batch-sizes
 
 
 def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
@@ -104,6 +106,26 @@ def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
                 extra={"shared_prefix": len(prefix)},
             )
         )
+    if "P2" in names or "P2-INPUT" in names:
+        # WORKLOADS.md P2: 8 few-shot prefixes of 768 tokens, 512 rows (a prefix and 32 own
+        # tokens), shuffled; a pool of two prefixes' blocks (2 x 48) plus a working set of 128
+        prefixes = [rand_prompt(768) for _ in range(8)]
+        prompts = [prefixes[i % 8] + rand_prompt(32) for i in range(512)]
+        np.random.default_rng(2).shuffle(prompts)
+        for name, order in (("P2-INPUT", "input"), ("P2", "prefix")):
+            if name in names:
+                out.append(
+                    Workload(
+                        name,
+                        prompts,
+                        "greedy",
+                        [32] * 512,
+                        notes=f"8 shuffled 768-token prefixes, {order} order, pool of 224 blocks",
+                        extra={"shared_prefix": 768, "distinct_prefix_tokens": 8 * 768},
+                        engine={"admission_order": order, "num_kv_blocks": 224, "block_size": 16},
+                        baseline_batch_sizes=[16],
+                    )
+                )
     if "D" in names:
         lens = np.clip(np.round(rng.lognormal(np.log(128), 0.75, size=256)), 8, 1024).astype(int)
         maxt = np.clip(np.round(rng.lognormal(np.log(64), 0.75, size=256)), 8, 512).astype(int)
@@ -145,7 +167,7 @@ def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | Non
         enable_prefix_caching=True,
         seed=0,
         num_threads=threads,
-        **(settings or {}),
+        **{**w.engine, **(settings or {})},
     )
     if w.kind == "beam":
         params = [
@@ -272,7 +294,8 @@ def processed_tokens(w: Workload) -> int:
     """Tokens whose activations must be computed: each distinct prompt token once, and every
     generated token (as the next step's input)."""
     shared = w.extra.get("shared_prefix", 0)  # computed once, with prefix caching
-    return shared + sum(len(p) - shared for p in w.prompts) + useful_tokens(w)
+    once = w.extra.get("distinct_prefix_tokens", shared)
+    return once + sum(len(p) - shared for p in w.prompts) + useful_tokens(w)
 
 
 def floor_tok_s(w: Workload, gflops: float, mflop: float) -> float:
@@ -326,10 +349,25 @@ def main() -> None:
         if w.moe:
             share = s["expert_s"] / bg["wall_s"]
             print(f"    expert GEMMs: {s['expert_s']:.1f} s, {share:.0%} of batchgen's time", flush=True)
+        if "admission_order" in w.engine:
+            from batchgen.engine.admission import PromptBlockCounter
+
+            perfect = PromptBlockCounter(s["block_size"])
+            for p in w.prompts:
+                perfect.add(p)
+            print(
+                f"    prompt tokens computed: {s['prompt_tokens_computed']} (each distinct block once: "
+                f"{perfect.tokens}; {s['prompt_tokens_computed'] / perfect.tokens:.2f}x), "
+                f"prefix-cache hits {s['prefix_cache_hit_tokens']}, preemptions {s['num_preemptions']}",
+                flush=True,
+            )
+        skip = args.skip_baseline or (w.name == "P2-INPUT" and any(x.name == "P2" for x in workloads))
         hf = (
             None
-            if args.skip_baseline
-            else in_fresh_process(run_hf, model, w, args.baseline_batch_sizes, args.threads)
+            if skip
+            else in_fresh_process(
+                run_hf, model, w, w.baseline_batch_sizes or args.baseline_batch_sizes, args.threads
+            )
         )
         rows.append(
             {
@@ -354,6 +392,14 @@ def main() -> None:
             f"| {r['workload']} | {bg['tokens_per_s']:.1f} | {hf_txt} | {ratio} | {s['prefill_s']:.1f} | "
             f"{s['decode_s']:.1f} | {other:.1f} | {s['peak_physical_kv_slots']} / {s['peak_logical_kv_tokens']} "
             f"({s['physical_over_logical']:.0%}) | {s['cow_copies']} | {s['prefix_cache_hit_tokens']} |"
+        )
+    by_name = {r["workload"]: r for r in rows}
+    if "P2" in by_name and "P2-INPUT" in by_name:
+        a, b = by_name["P2-INPUT"]["batchgen"], by_name["P2"]["batchgen"]
+        print(
+            f"\nP2: prefix-aware admission {b['tokens_per_s']:.1f} tok/s vs input order "
+            f"{a['tokens_per_s']:.1f} tok/s: {b['tokens_per_s'] / a['tokens_per_s']:.2f}x; prompt tokens "
+            f"computed {b['stats']['prompt_tokens_computed']} vs {a['stats']['prompt_tokens_computed']}"
         )
     rates: dict[str, dict[str, float]] = {}
     for model in {args.moe_model if w.moe else args.model for w in workloads}:

@@ -214,6 +214,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.pool.num_free
 
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a block of this chained hash is in the prefix cache (in use or free)."""
+        return block_hash in self.pool.cached
+
     def table(self, seq_id: int) -> list[int]:
         entry = self.seqs.get(seq_id)
         return entry.table if entry is not None else []

@@ -210,7 +210,10 @@ class LLMEngine:
                 for i, rows in result.chunk_logits.items():
                     self._note_prompt_logprobs(out.scheduled[i], rows)
                 self._advance([s.seq for s in out.scheduled if s.samples], result.logits)
-            self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0)
+            prompt = sum(
+                max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start) for s in out.scheduled
+            )
+            self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0, prompt)
         if self.cfg.debug_checks:
             self._check_invariants()
         with self._stats.timed("output_s"):

@@ -35,9 +35,11 @@ class EngineStats:
         finally:
             self.values[key] += time.perf_counter() - t0
 
-    def note_step(self, token_counts: list[int], seconds: float) -> None:
-        """A step with any prefill chunk counts as prefill time, a pure decode step as decode time."""
+    def note_step(self, token_counts: list[int], seconds: float, prompt_tokens: int = 0) -> None:
+        """A step with any prefill chunk counts as prefill time, a pure decode step as decode time.
+        ``prompt_tokens``: tokens of prompts computed in the step (not found in the prefix cache)."""
         v = self.values
+        v["prompt_tokens_computed"] += prompt_tokens
         v["steps"] += 1
         prefill = [n for n in token_counts if n > 1]
         v["prefill_s" if prefill else "decode_s"] += seconds
@@ -99,7 +101,7 @@ class EngineStats:
 
     def step_figures(self) -> dict[str, float | int]:
         v = self.values
-        counts = {k: int(v[k]) for k in ("steps", "prefill_tokens", "decode_tokens")}
+        counts = {k: int(v[k]) for k in ("steps", "prefill_tokens", "decode_tokens", "prompt_tokens_computed")}
         times = {
             k: v[k]
             for k in ("schedule_s", "model_s", "postprocess_s", "sampler_s", "output_s", "prefill_s", "decode_s")

@@ -51,6 +51,9 @@ class OutputConfig:
 @dataclass(frozen=True)
 class RunConfig:
     max_rows_in_flight: int | None = None  # default: 4 x engine max_num_seqs
+    # rows looked ahead to order admission by shared prefix (engine.admission_order "prefix");
+    # default: 4 x max_rows_in_flight
+    lookahead_rows: int | None = None
     progress: bool = True
     shard: str | None = None  # "INDEX/COUNT": take a deterministic slice of the input
     add_generation_prompt: bool = True
@@ -243,6 +246,10 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
         if out.rows_per_shard < 1:
             problems.append("output.rows_per_shard: must be >= 1")
+    for key in ("max_rows_in_flight", "lookahead_rows"):
+        value = getattr(run, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            problems.append(f"run.{key}: must be an integer >= 1 or null, got {value!r}")
     if not 0 <= run.max_failed_fraction <= 1:
         problems.append(f"run.max_failed_fraction: must be in [0, 1], got {run.max_failed_fraction!r}")
     if run.shard is not None:

@@ -17,6 +17,8 @@ class JobReport:
     failed_in_output: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    rows_deduplicated: int = 0  # rows whose identical request (prompt and parameters) was computed once
+    prompt_tokens_perfect_order: int | None = None  # each distinct prompt block once (None: not counted)
     wall_s: float = 0.0
     engine: dict = field(default_factory=dict)
     nothing_to_do: int = 0  # set (to the rows already done) when a rerun found every row done
@@ -46,6 +48,7 @@ class JobReport:
             peak_physical_over_logical=round(physical / logical, 4) if logical else 0.0,
             peak_kv_blocks_used=e.get("peak_blocks_used", 0),
             kv_blocks=e.get("num_blocks", 0),
+            prompt_tokens_computed=e.get("prompt_tokens_computed", 0),
         )
         return d
 
@@ -69,6 +72,12 @@ class JobReport:
             f"  tokens in / out              {self.prompt_tokens} / {self.generated_tokens}",
             f"  wall time                    {self.wall_s:.1f} s   ({d['generated_tokens_per_s']:.1f} generated tokens/s)",
             f"  prefix-cache hit rate        {d['prefix_cache_hit_rate']:.1%}",
+            f"  prompt tokens computed       {d['prompt_tokens_computed']}"
+            + (
+                f"   (each distinct prompt block once: {self.prompt_tokens_perfect_order})"
+                if self.prompt_tokens_perfect_order is not None
+                else ""
+            ),
             f"  KV memory saved by sharing   {d['kv_saved_by_sharing']:.1%}   "
             f"(peak {d['peak_kv_blocks_used']} of {d['kv_blocks']} blocks)",
         ]
@@ -77,6 +86,8 @@ class JobReport:
             lines.append(f"  failed x {count:<6}           {message[:100]}")
         if len(top) > 5:
             lines.append(f"  failed, {len(top) - 5} other messages  {sum(c for _, c in top[5:])} rows")
+        if self.rows_deduplicated:
+            lines.append(f"  identical rows computed once {self.rows_deduplicated} copies")
         if self.skipped_duplicate_ids:
             lines.append(f"  duplicate ids skipped        {self.skipped_duplicate_ids}")
         return "\n".join(lines)

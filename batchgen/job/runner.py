@@ -4,7 +4,9 @@ Three threads, joined by bounded queues so memory stays bounded whatever the dat
 
     reader thread:  source batches -> skip rows already in shards -> tokenize / chat template /
                     per-row params -> request queue (or a ready error row)
-    main thread:    keeps up to ``max_rows_in_flight`` requests in the engine, steps it, turns each
+    main thread:    reads up to ``lookahead_rows`` requests into a window, keeps up to
+                    ``max_rows_in_flight`` in the engine (admitted from the window by shared
+                    prefix; identical deterministic rows computed once), steps it, turns each
                     finished request into an output row -> writer queue
     writer thread:  buffers rows, writes an atomic shard every ``rows_per_shard`` rows (or
                     ``flush_seconds``), and at the end
@@ -27,6 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig
+from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
 from batchgen.engine.sampler import splitmix64
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
@@ -452,7 +455,8 @@ class JobRunner:
             dynamic_ncols=True,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
         )
-        loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap)
+        lookahead = self.cfg.run.lookahead_rows or 4 * cap
+        loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap, lookahead)
         signals.graceful = True  # from here on a signal stops the loop and the rows are saved
         try:
             loop.run(signals)
@@ -468,10 +472,11 @@ class JobRunner:
             raise JobInterrupted(
                 signals.received,
                 f"interrupted by {signal.Signals(signals.received).name}: {rows} rows saved in {self.out_dir} "
-                f"({len(loop.in_flight)} unfinished dropped); rerun the same command to resume",
+                f"({loop.unfinished} unfinished dropped); rerun the same command to resume",
             )
         report.wall_s = time.perf_counter() - t_start
         report.skipped_duplicate_ids = counts["duplicate_ids"]
+        report.prompt_tokens_perfect_order = loop.perfect.tokens
         report.fill_engine_stats(engine.stats())
         report.rows_in_output, report.failed_in_output = sink.totals()
         atomic_write_bytes(self.report_path, json.dumps(report.to_dict(), indent=2).encode())
@@ -516,9 +521,32 @@ class JobRunner:
                 continue
 
 
+class _FifoWindow:
+    """Admission in input order (``engine.admission_order: input``)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.items: deque[Request] = deque()
+        self.capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= self.capacity
+
+    def add(self, item: Request, token_ids: list[int]) -> None:
+        self.items.append(item)
+
+    def pop(self) -> Request:
+        return self.items.popleft()
+
+
 class _MainLoop:
-    """The main thread's loop: keep up to ``cap`` requests in the engine, step it, hand finished
-    and failed rows to the writer, until the input is exhausted or a signal arrives."""
+    """The main thread's loop: read rows into a lookahead window, keep up to ``cap`` requests in
+    the engine (admitted from the window by shared prefix, ``batchgen/engine/admission.py``; a
+    row identical to one in flight waits for that one's output instead), step the engine, hand
+    finished and failed rows to the writer, until the input is exhausted or a signal arrives."""
 
     def __init__(
         self,
@@ -530,10 +558,22 @@ class _MainLoop:
         report: JobReport,
         bar: tqdm,
         cap: int,
+        lookahead: int,
     ) -> None:
         self.job, self.engine, self.req_q, self.out_q = job, engine, req_q, out_q
         self.writer_errors, self.report, self.bar, self.cap = writer_errors, report, bar, cap
         self.in_flight: dict[str, Request] = {}
+        self.by_prefix = engine.cfg.admission_order == "prefix"
+        self.batch = min(cap, engine.cfg.max_num_seqs)
+        self.window: PrefixWindow[Request] | _FifoWindow = (
+            PrefixWindow(engine.block_size, lookahead, engine.bm.is_cached)
+            if self.by_prefix
+            else _FifoWindow(lookahead)
+        )
+        self.leaders: dict[tuple, str] = {}  # duplicate key -> request id in flight
+        self.followers: dict[str, list[Request]] = {}  # request id -> rows waiting for its output
+        self.leader_key: dict[str, tuple] = {}
+        self.perfect = PromptBlockCounter(engine.block_size)
         self.reading = True
         self.t0 = time.perf_counter()
         self.rate_window: deque[tuple[float, int]] = deque()  # (time, generated tokens) of recent steps
@@ -547,41 +587,70 @@ class _MainLoop:
                 for out in self.engine.step():
                     self._finish(out)
                 self._show_rates()
-            elif not self.reading and not self.in_flight:
+            elif not self.reading and not self.in_flight and not len(self.window):
                 return
 
+    @property
+    def unfinished(self) -> int:
+        return len(self.in_flight) + sum(len(f) for f in self.followers.values()) + len(self.window)
+
     def _admit(self) -> None:
-        """Move built requests from the reader into the engine; rows that failed to build (or
-        to validate) go straight to the writer with their error."""
-        while self.reading and len(self.in_flight) < self.cap:
-            idle = not self.in_flight and not self.engine.has_unfinished()
+        """Fill the lookahead window from the reader, then move rows from it into the engine;
+        rows that failed to build (or to validate) go straight to the writer with their error."""
+        while self.reading and not self.window.full:
+            idle = not self.in_flight and not self.engine.has_unfinished() and not len(self.window)
             try:
                 item = self.req_q.get(block=idle, timeout=0.5)
             except queue.Empty:
-                return
+                break
             if item is _END:
                 self.reading = False
-                return
+                break
             if isinstance(item, BaseException):
                 raise item
-            if item.error is None:
-                try:
-                    self.engine.add_request(item.rid, item.token_ids, item.params)
-                    self.in_flight[item.rid] = item
-                    self.report.prompt_tokens += len(item.token_ids)
-                    continue
-                except ValueError as e:
-                    item.error = str(e)
-            self._fail(item, item.error)
+            if item.error is not None:
+                self._fail(item, item.error)
+            else:
+                self.window.add(item, item.token_ids)
+        # The engine is topped up to one batch at once; beyond that rows wait for a full window
+        # (or the input's end), so that the order sees the whole lookahead.
+        while len(self.window) and len(self.in_flight) < self.cap:
+            if self.reading and not self.window.full and len(self.in_flight) >= self.batch:
+                break
+            item = self.window.pop()
+            ids, params = item.token_ids, item.params
+            assert ids is not None and params is not None  # built without error
+            key = duplicate_key(ids, params) if self.by_prefix else None
+            if key is not None and key in self.leaders:  # computed once, copied at the end
+                self.followers[self.leaders[key]].append(item)
+                continue
+            try:
+                self.engine.add_request(item.rid, ids, params)
+            except ValueError as e:
+                self._fail(item, str(e))
+                continue
+            self.in_flight[item.rid] = item
+            self.report.prompt_tokens += len(ids)
+            self.perfect.add(ids)
+            if key is not None:
+                self.leaders[key] = item.rid
+                self.leader_key[item.rid] = key
+                self.followers[item.rid] = []
 
     def _finish(self, out: RequestOutput) -> None:
         req = self.in_flight.pop(out.request_id)
-        if out.error is not None:  # the engine gave up on this request alone
-            self._fail(req, out.error)
-        else:
+        rows = [req] + self.followers.pop(out.request_id, [])
+        key = self.leader_key.pop(out.request_id, None)
+        if key is not None:
+            del self.leaders[key]
+        for i, row in enumerate(rows):
+            if out.error is not None:  # the engine gave up on this request alone
+                self._fail(row, out.error)
+                continue
             self.report.rows_ok += 1
+            self.report.rows_deduplicated += i > 0
             self.report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
-            self.job._put(self.out_q, self.job._row(req, out, None), self.writer_errors)
+            self.job._put(self.out_q, self.job._row(row, out, None), self.writer_errors)
             self.bar.update(1)
 
     def _fail(self, req: Request, error: str | None) -> None:

@@ -157,16 +157,21 @@ def _kill_and_resume(tmp_path, config, kills, rng):
     ids=["seeded", "greedy"],
 )
 def test_sigkill_at_random_points_then_resume(tmp_path, llama_dir, generation):
+    """Half the rows start with one of three shared templates (prefix-aware admission reorders
+    them), some are exact duplicates (computed once when greedy)."""
     rng = random.Random(hash(str(generation)) & 0xFFFF)
+    words = ["cat", "dog", "the", "a", "fox", "sat"]
+    templates = [" ".join(rng.choice(words) for _ in range(24)) + " " for _ in range(3)]
     rows = [
         {
             "id": i,
-            "prompt": " ".join(
-                rng.choice(["cat", "dog", "the", "a", "fox", "sat"]) for _ in range(rng.randint(1, 30))
-            ),
+            "prompt": (templates[i % 3] if i % 2 else "")
+            + " ".join(rng.choice(words) for _ in range(rng.randint(1, 30))),
         }
         for i in range(600)
     ]
+    for i in range(100, 600, 50):
+        rows[i + 1]["prompt"] = rows[i]["prompt"]
     rows[17]["prompt"] = ""
     data = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
