@@ -62,7 +62,9 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def _family_defaults(arch: str, num_layers: int, head_dim: int, rope_parameters: dict | None) -> dict[str, Any]:
+def _family_defaults(
+    arch: str, num_layers: int, head_dim: int, rope_parameters: dict | None
+) -> dict[str, Any]:
     """What makes a small model of ``arch`` exercise its family's features: sliding windows
     shorter than the tests' prompts, soft-caps that bite at these weights' scale, dense and sparse
     layers side by side, a few experts."""
@@ -102,7 +104,9 @@ def _family_defaults(arch: str, num_layers: int, head_dim: int, rope_parameters:
             **experts,
         )
     if arch == "qwen3_moe":  # layer 0 dense through decoder_sparse_step
-        return dict(num_experts=8, moe_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True, **experts)
+        return dict(
+            num_experts=8, moe_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True, **experts
+        )
     if arch == "gpt_oss":
         return dict(
             num_local_experts=4,
@@ -211,21 +215,21 @@ def make_model(
     return path
 
 
+BENCH_SHAPE: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=2,
+    max_positions=4096,
+    initializer_range=0.02,
+)
+
+
 def make_bench_model(path: str | Path) -> Path:
     """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads."""
-    return make_model(
-        path,
-        "llama",
-        seed=0,
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        max_positions=4096,
-        initializer_range=0.02,
-    )
+    return make_model(path, "llama", seed=0, **BENCH_SHAPE)
 
 
 def make_bench_moe_model(path: str | Path) -> Path:
@@ -235,14 +239,7 @@ def make_bench_moe_model(path: str | Path) -> Path:
         path,
         "qwen3_moe",
         seed=0,
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        max_positions=4096,
-        initializer_range=0.02,
+        **BENCH_SHAPE,
         num_experts=16,
         num_experts_per_tok=4,
         moe_intermediate_size=384,

@@ -53,35 +53,17 @@ def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
     def rand_prompt(n: int) -> list[int]:
         return rng.integers(VOCAB_LOW, vocab, size=n).tolist()
 
+    def n_best(name: str, generator: np.random.Generator, notes: str, moe: bool = False) -> Workload:
+        lens = generator.integers(64, 257, size=16)
+        prompts = [generator.integers(VOCAB_LOW, vocab, size=n).tolist() for n in lens]
+        return Workload(
+            name, prompts, "sample", [64] * 16, n=8, temperature=0.8, top_p=0.95, notes=notes, moe=moe
+        )
+
     if "S" in names:
-        lens = rng.integers(64, 257, size=16)
-        out.append(
-            Workload(
-                "S",
-                [rand_prompt(n) for n in lens],
-                "sample",
-                [64] * 16,
-                n=8,
-                temperature=0.8,
-                top_p=0.95,
-                notes="n-best sampling n=8",
-            )
-        )
-    if "M" in names:
-        lens = np.random.default_rng(0).integers(64, 257, size=16)  # S's prompt lengths
-        out.append(
-            Workload(
-                "M",
-                [rand_prompt(n) for n in lens],
-                "sample",
-                [64] * 16,
-                n=8,
-                temperature=0.8,
-                top_p=0.95,
-                notes="n-best sampling n=8 on the MoE model",
-                moe=True,
-            )
-        )
+        out.append(n_best("S", rng, "n-best sampling n=8"))
+    if "M" in names:  # S's very prompts (S draws first from a generator seeded 0)
+        out.append(n_best("M", np.random.default_rng(0), "n-best sampling n=8 on the MoE model", moe=True))
     if "B" in names:
         lens = rng.integers(64, 257, size=16)
         out.append(
