@@ -21,6 +21,7 @@ then prints one table and writes ``gpu_check.json`` to ``$OUT`` (or the current 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -72,10 +73,13 @@ def check_attention(bw: float, rows: list) -> None:
     from kernels.paged_attention import paged_attention
     from kernels.reference import paged_attention_ref
 
-    for name, seqs, ctx_len, kvh, h, d, bs in [
-        ("decode 256 x 2k", 256, 2048, 8, 32, 64, 16),
-        ("decode 4 x 32k (split-KV)", 4, 32768, 8, 32, 64, 16),
-        ("decode 64 x 4k, d128", 64, 4096, 8, 32, 128, 32),
+    gemma = {"window": 4096, "softcap": 50.0}  # Gemma 2's settings
+    for name, seqs, ctx_len, kvh, h, d, bs, opts in [
+        ("decode 256 x 2k", 256, 2048, 8, 32, 64, 16, {}),
+        ("decode 4 x 32k (split-KV)", 4, 32768, 8, 32, 64, 16, {}),
+        ("decode 64 x 4k, d128", 64, 4096, 8, 32, 128, 32, {}),
+        ("decode 64 x 8k, window 4k + soft-cap 50 (Gemma 2)", 64, 8192, 8, 16, 256, 16, gemma),
+        ("decode 4 x 32k split-KV, sinks + window 128 (gpt-oss)", 4, 32768, 8, 64, 64, 16, {"window": 128}),
     ]:
         nb_per = cdiv(ctx_len, bs)
         num_blocks = seqs * nb_per + 8
@@ -87,8 +91,11 @@ def check_attention(bw: float, rows: list) -> None:
         rows_t = torch.arange(seqs, device="cuda")
         ctx = torch.full((seqs,), ctx_len, device="cuda")
         q = torch.randn((seqs, h, d), device="cuda", dtype=dt)
+        if "gpt-oss" in name:
+            opts = {**opts, "sinks": torch.randn(h, device="cuda")}
         out = torch.full_like(q, float("nan"))
-        paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out)
+        paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out, **opts)
+        ref_opts = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
         sub = slice(0, min(seqs, 4))
         ref = paged_attention_ref(
             q[sub].cpu().float(),
@@ -98,16 +105,16 @@ def check_attention(bw: float, rows: list) -> None:
             rows_t[sub].cpu(),
             ctx[sub].cpu(),
             d**-0.5,
+            **ref_opts,
         )
         err = rel_err(out[sub].float().cpu(), ref)
         written = bool(torch.isfinite(out).all())
-        ms = triton.testing.do_bench(
-            lambda: paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out),  # noqa: B023
-            warmup=25,
-            rep=200,
-            return_mode="median",
+        launch = functools.partial(
+            paged_attention, q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out, **opts
         )
-        nbytes = 2 * seqs * ctx_len * kvh * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        ms = triton.testing.do_bench(launch, warmup=25, rep=200, return_mode="median")
+        read = min(ctx_len, opts.get("window") or ctx_len)  # positions whose K/V are read
+        nbytes = 2 * seqs * read * kvh * d * kc.element_size() + 2 * q.numel() * q.element_size()
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append(
             {
@@ -212,6 +219,7 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
             "graph_replays": replays,
         }
     )
+    rows.append(check_families())
     recompute, _, s_rec, _ = timed(num_kv_blocks=200, preemption_mode="recompute")
     swapped, _, s_swap, _ = timed(num_kv_blocks=200, preemption_mode="swap", swap_space_gb=1.0)
     rows.append(
@@ -224,6 +232,39 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
             "recompute_preemptions": s_rec["num_preemptions"],
         }
     )
+
+
+def check_families() -> dict:
+    """Every family's small test model on the GPU (Triton attention, CUDA graphs where the model
+    allows) against transformers on the CPU in float32: greedy tokens, prompts past the window."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LLM, SamplingParams
+    from batchgen.tiny import FAMILY_ARCHS, make_model
+
+    @torch.no_grad()
+    def hf_greedy(path: str, prompt: list[int], steps: int) -> list[int]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = list(prompt)
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    prompts = [[5], list(range(20, 57)), [(7 * i) % 380 + 3 for i in range(90)]]
+    same = {}
+    for arch in FAMILY_ARCHS:
+        path = f"/tmp/family-{arch}"
+        if not (Path(path) / "config.json").exists():
+            make_model(path, arch, seed=1)
+        llm = LLM(path, dtype="float32", device="cuda", block_size=16, num_kv_blocks=64)
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
+        same[arch] = (
+            sum(o.outputs[0].token_ids == hf_greedy(path, p, 8) for o, p in zip(outs, prompts, strict=True))
+            / 3
+        )
+    return {"check": "families, greedy vs transformers (CPU fp32), 3 prompts x 8 tokens", **same}
 
 
 def run_workloads(model_dir: str, scale: float, rows: list) -> None:
