@@ -113,6 +113,7 @@ class DecoderModel:
         self._pack = packing_wanted(linear_backend, device, dtype)
         self._strict = linear_backend == "onednn"
         self._load(model_dir)
+        self._moe_blocks = [lw.mlp for lw in self.layers if isinstance(lw.mlp, MoE)]
         # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
         self.long_rope_after = next((r.long_after for r in self._rotaries.values() if r.long_after), None)
 
@@ -274,11 +275,11 @@ class DecoderModel:
 
     @property
     def is_moe(self) -> bool:
-        return any(isinstance(lw.mlp, MoE) for lw in self.layers)
+        return bool(self._moe_blocks)
 
     def expert_seconds(self) -> float:
         """Time spent in expert GEMMs so far (host time), summed over the MoE layers."""
-        return sum(lw.mlp.seconds for lw in self.layers if isinstance(lw.mlp, MoE))
+        return sum(block.seconds for block in self._moe_blocks)
 
     # -- forward -------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

@@ -99,7 +99,6 @@ class Rotary:
             lcos, lsin = _table(long_freq, long_scaling, max_positions)
             cos, sin = torch.cat([cos, lcos]), torch.cat([sin, lsin])
         self.max_positions = max_positions
-        self.dim = cos.shape[-1]
         self.cos = cos.to(device=device, dtype=dtype)
         self.sin = sin.to(device=device, dtype=dtype)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.model.families import SUPPORTED_ARCHITECTURES
+from batchgen.model.families import family_of
 
 
 class ModelLoadError(ValueError):
@@ -32,12 +32,10 @@ def load_config(model_dir: str | os.PathLike):
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the path
         raise ModelLoadError(f"cannot read the config in {str(path)!r}: {e}") from e
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(
-            f"unsupported architecture {archs or config.model_type!r} in {str(path)!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        family_of(config)
+    except ValueError as e:
+        raise ModelLoadError(f"{e} (in {str(path)!r})") from None
     return config
 
 

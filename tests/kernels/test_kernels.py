@@ -36,6 +36,13 @@ def mixed_batch(gen, seqs, bs, num_blocks):
     return tables, torch.tensor(rows), torch.tensor(ctx)
 
 
+def run_on_device(q, kc, vc, tables, rows, ctx, scale, **kwargs):
+    """``paged_attention`` with every tensor on the test device (``max_context`` from ``ctx``)."""
+    moved = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    args = (t.to(DEV) for t in (q, kc, vc, tables, rows, ctx))
+    return paged_attention(*args, scale, max_context=int(ctx.max()), **moved)
+
+
 @pytest.mark.parametrize("kvh, h", [(4, 4), (2, 8), (1, 8)])  # GQA ratios 1, 4, 8
 @pytest.mark.parametrize("bs", [8, 16, 32])
 def test_paged_attention_matches_reference(kvh, h, bs):
@@ -51,18 +58,7 @@ def test_paged_attention_matches_reference(kvh, h, bs):
     ref = paged_attention_ref(q, kc, vc, tables, rows, ctx, 0.3)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan")).to(DEV)  # every element must be written
-        paged_attention(
-            q.to(DEV),
-            kc.to(DEV),
-            vc.to(DEV),
-            tables.to(DEV),
-            rows.to(DEV),
-            ctx.to(DEV),
-            0.3,
-            max_context=int(ctx.max()),
-            num_splits=splits,
-            out=out,
-        )
+        run_on_device(q, kc, vc, tables, rows, ctx, 0.3, num_splits=splits, out=out)
         assert torch.isfinite(out).all()
         assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
 
@@ -82,19 +78,8 @@ def test_paged_attention_softcap_and_sinks(softcap, use_sinks, window):
         plain = paged_attention_ref(q, kc, vc, tables, rows, ctx, 0.5, window=window, softcap=softcap)
         assert not torch.allclose(ref, plain, atol=1e-3)
     for splits in (1, 3):
-        out = paged_attention(
-            q.to(DEV),
-            kc.to(DEV),
-            vc.to(DEV),
-            tables.to(DEV),
-            rows.to(DEV),
-            ctx.to(DEV),
-            0.5,
-            max_context=int(ctx.max()),
-            window=window,
-            num_splits=splits,
-            softcap=softcap,
-            sinks=None if sinks is None else sinks.to(DEV),
+        out = run_on_device(
+            q, kc, vc, tables, rows, ctx, 0.5, window=window, num_splits=splits, softcap=softcap, sinks=sinks
         )
         assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
 

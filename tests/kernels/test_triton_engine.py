@@ -32,9 +32,14 @@ def tiny_model(tmp_path, arch: str, seed: int, num_kv_heads: int, num_layers: in
     )
 
 
+def triton_llm(path: str, **kwargs) -> LLM:
+    """The engine on the Triton backend (interpreted on a CPU machine), float32, blocks of 8."""
+    return LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, **kwargs)
+
+
 def test_greedy_and_forks_with_triton_backend(tmp_path):
     path = tiny_model(tmp_path, "qwen3", seed=3, num_kv_heads=2, num_layers=2)
-    llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=32)
+    llm = triton_llm(path, num_kv_blocks=32)
     assert type(llm.engine.runner.backend).__name__ == "TritonAttention"
     prompts = [[5], [3, 9, 11, 40, 41, 42, 43, 44, 45], list(range(20, 37))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -60,7 +65,7 @@ def test_decode_graph_path_pads_buckets_without_touching_other_blocks(tmp_path):
 
     assert default_buckets(8) == [1, 2, 4, 8] and default_buckets(20) == [1, 2, 4, 8, 16, 20]
     path = tiny_model(tmp_path, "llama", seed=4, num_kv_heads=1, num_layers=2)
-    llm = LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
+    llm = triton_llm(path, num_kv_blocks=40)
     runner = llm.engine.runner
     runner.graphs = graphs = DecodeGraphs(runner, max_batch=4, capture=False)
     assert graphs.buckets == [1, 2, 4]
@@ -72,7 +77,7 @@ def test_decode_graph_path_pads_buckets_without_touching_other_blocks(tmp_path):
     assert graphs.replays > 0
     # padding rows wrote nothing: the cache equals that of the same run without the graph path
     fresh = [
-        LLM(path, dtype="float32", device="cpu", attention_backend="triton", block_size=8, num_kv_blocks=40)
+        triton_llm(path, num_kv_blocks=40)
         for _ in range(2)
     ]
     fresh[0].engine.runner.graphs = DecodeGraphs(fresh[0].engine.runner, max_batch=4, capture=False)
@@ -93,15 +98,7 @@ def test_decode_graph_path_skips_steps_with_a_one_token_prefill_chunk(tmp_path):
     from batchgen.model.graphs import DecodeGraphs
 
     path = tiny_model(tmp_path, "llama", seed=5, num_kv_heads=2, num_layers=1)
-    llm = LLM(
-        path,
-        dtype="float32",
-        device="cpu",
-        attention_backend="triton",
-        block_size=8,
-        num_kv_blocks=40,
-        max_num_batched_tokens=9,
-    )
+    llm = triton_llm(path, num_kv_blocks=40, max_num_batched_tokens=9)
     llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, max_batch=16, capture=False)
     prompts = [[5 + i] for i in range(8)] + [list(range(20, 40))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -116,15 +113,7 @@ def test_every_family_with_triton_backend(tmp_path, arch):
     rotary, q/k norms) through the Triton kernels: greedy tokens equal transformers', prompts past
     the window, chunked prefill over cached blocks and a copy-on-write fork."""
     path = tiny_model(tmp_path, arch, seed=7, num_kv_heads=2, num_layers=2)
-    llm = LLM(
-        path,
-        dtype="float32",
-        device="cpu",
-        attention_backend="triton",
-        block_size=8,
-        num_kv_blocks=32,
-        max_num_batched_tokens=12,
-    )
+    llm = triton_llm(path, num_kv_blocks=32, max_num_batched_tokens=12)
     prompts = [[5], list(range(20, 37))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     for p, o in zip(prompts, outs):
