@@ -1,4 +1,4 @@
-"""Command line: ``python -m batchgen job CONFIG``, ``demo``, ``make-model``."""
+"""Command line: ``python -m batchgen job CONFIG``, ``verify OUT``, ``demo``, ``make-model``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,18 @@ def cmd_job(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             cfg = replace(cfg, run=replace(cfg.run, progress=False))
-        report = JobRunner(cfg, overwrite=args.overwrite).run()
+        runner = JobRunner
+        if cfg.run.executor == "ray":
+            try:
+                import ray.data  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "run.executor: ray needs Ray Data; install it with pip install -e '.[ray]' (or 'ray[data]')"
+                ) from None
+            from batchgen.job.ray_executor import RayJobRunner
+
+            runner = RayJobRunner
+        report = runner(cfg, overwrite=args.overwrite).run()
     except JobInterrupted as e:
         print(f"batchgen: {e}", file=sys.stderr)
         return e.exit_code
@@ -61,6 +72,21 @@ def cmd_job(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit codes: 0 every input row exactly once in the output, 1 not, 2 cannot tell (no config)."""
+    from batchgen.job.config import ConfigError
+    from batchgen.job.verify import combined_report, verify
+
+    try:
+        result = verify(args.out, args.config)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.render())
+    combined_report(args.out, result)
+    return 0 if result.ok else 1
 
 
 def ensure_demo_inputs(root: Path) -> None:
@@ -135,7 +161,7 @@ def _config_keys() -> str:
     from dataclasses import MISSING, fields
 
     from batchgen.config import EngineConfig
-    from batchgen.job.config import InputConfig, OutputConfig, RunConfig
+    from batchgen.job.config import InputConfig, OutputConfig, RayConfig, RunConfig
 
     def keys(cls, skip=()) -> str:
         out = []
@@ -156,6 +182,7 @@ def _config_keys() -> str:
             "BeamSearchParams (beam_width, length_penalty, early_stopping, ...) keys",
             f"  engine: {keys(EngineConfig, skip=('model',))}",
             f"  run: {keys(RunConfig)}",
+            f"  ray (run.executor: ray): {keys(RayConfig)}",
             "exit codes: 0 done, 1 failed (output, input, too many failed rows), 2 refused before any "
             "work, 128 + signal when stopped by SIGTERM / SIGINT (finished rows saved)",
         ]
@@ -189,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     job.add_argument("--no-progress", action="store_true", help="no progress bar")
     job.set_defaults(func=cmd_job)
+    ver = sub.add_parser(
+        "verify",
+        help="check that the shards of every worker cover each input row exactly once; write the combined report",
+    )
+    ver.add_argument("out", help="the job's output directory")
+    ver.add_argument("--config", default=None, help="the job config (default: the one its manifests name)")
+    ver.set_defaults(func=cmd_verify)
     demo = sub.add_parser("demo", help="build a small local model and prompts, then run jobs/demo.yaml")
     demo.add_argument("--config", default="jobs/demo.yaml")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

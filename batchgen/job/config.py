@@ -59,6 +59,21 @@ class RunConfig:
     add_generation_prompt: bool = True
     # a job whose output has more failed rows than this share exits 1 (its rows are kept)
     max_failed_fraction: float = 0.5
+    executor: str = "local"  # "local": this process; "ray": a pool of engine actors on Ray Data
+
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """``executor: ray``: engines as Ray actors fed by Ray Data (``batchgen/job/ray_executor.py``)."""
+
+    address: str | None = None  # null: join RAY_ADDRESS if set, else start a local Ray; "auto": a running one
+    num_replicas: int = 1  # engine actors
+    cpus_per_replica: float = 1.0  # also the replica's torch threads
+    gpus_per_replica: float = 0.0
+    batch_rows: int = 256  # rows per unit of work: one read task, one engine call, one shard
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class JobConfig:
     generation: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     source_file: str | None = None
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
@@ -110,6 +126,8 @@ class JobConfig:
             "output_format": self.output.format,
             "shard": self.run.shard,
             "add_generation_prompt": self.run.add_generation_prompt,
+            # a Ray run's shards are its units of work: their size is part of what is on disk
+            **({"executor": "ray", "ray_batch_rows": self.ray.batch_rows} if self.run.executor == "ray" else {}),
         }
 
 
@@ -217,7 +235,7 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
-    top = {"model", "engine", "input", "generation", "output", "run"}
+    top = {"model", "engine", "input", "generation", "output", "run", "ray"}
     for key in data:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
@@ -235,6 +253,7 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     if data.get("output") is None:
         problems.append("output: required section (output.path)")
     run = _section(RunConfig, data.get("run"), "run", problems) or RunConfig()
+    ray = _section(RayConfig, data.get("ray"), "ray", problems) or RayConfig()
     engine = _mapping(data, "engine", problems, lambda v: EngineConfig.from_kwargs(model or ".", **v))
     gen = _mapping(
         data, "generation", problems, lambda v: (BeamSearchParams if "beam_width" in v else SamplingParams).from_dict(v)
@@ -257,6 +276,14 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             parse_shard(run.shard)
         except ValueError as e:
             problems.append(f"run.shard: {e}")
+    if run.executor not in EXECUTORS:
+        problems.append(f"run.executor: must be one of {', '.join(EXECUTORS)}, got {run.executor!r}")
+    elif run.executor == "ray" and run.shard is not None:
+        problems.append("run.shard: a Ray job spreads its rows over its replicas itself; drop run.shard")
+    if ray.num_replicas < 1 or ray.batch_rows < 1:
+        problems.append("ray.num_replicas and ray.batch_rows: must be >= 1")
+    if ray.cpus_per_replica <= 0 or ray.gpus_per_replica < 0:
+        problems.append("ray.cpus_per_replica: must be > 0; ray.gpus_per_replica: must be >= 0")
     if problems:
         raise ConfigError(
             "invalid job config"
@@ -272,6 +299,7 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         generation=gen,
         engine=engine,
         run=run,
+        ray=ray,
         source_file=source_file,
     )
 

@@ -22,7 +22,6 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,13 @@ from tqdm.auto import tqdm
 from batchgen.config import EngineConfig
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
-from batchgen.engine.sampler import splitmix64
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
+from batchgen.job.rows import Request, RowCodec
 from batchgen.job.sink import ShardSink, atomic_write_bytes
 from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
 from batchgen.outputs import RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
 
 _END = object()
 RATE_WINDOW_S = 30.0  # the progress bar's tokens/s is measured over this many recent seconds
@@ -100,15 +98,6 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-@dataclass
-class Request:
-    row: dict[str, Any]
-    rid: str
-    token_ids: list[int] | None = None
-    params: SamplingParams | BeamSearchParams | None = None
-    error: str | None = None
-    chat: bool = False
-
 
 def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
@@ -120,12 +109,6 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
 
-
-def stable_seed(seed: int, row_id: str) -> int:
-    h = splitmix64(seed & (2**64 - 1))
-    for byte in row_id.encode():
-        h = splitmix64(h ^ byte)
-    return h & (2**63 - 1)
 
 
 class JobRunner:
@@ -147,6 +130,7 @@ class JobRunner:
         self.report_path = self.meta_dir / f"report{tag}.json"
         self.legacy_manifest = self.out_dir / f"_manifest{tag}.json"  # where versions before 0.2 kept it
         self.shard_prefix = f"part{tag}"
+        self.codec = RowCodec(cfg, self.openai_in)
 
     # -- resume / refuse -----------------------------------------------------------------------
     def _prepare_output(self) -> ShardSink:
@@ -169,8 +153,7 @@ class JobRunner:
                     )
                 self._discard_output()
         for path in (self.manifest_path, self.report_path):
-            tmp = path.with_name(f".{path.name}.tmp")
-            if tmp.exists():
+            for tmp in path.parent.glob(f".{path.name}.*tmp"):
                 tmp.unlink()
         out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
         sink = ShardSink(self.out_dir, out_fmt, self.id_key, prefix=self.shard_prefix)
@@ -198,64 +181,6 @@ class JobRunner:
         atomic_write_bytes(self.manifest_path, json.dumps(self.manifest, indent=2, default=str).encode())
 
     # -- request building (reader thread) ------------------------------------------------------
-    def _build(self, tokenizer, row: dict[str, Any], rid: str) -> Request:
-        req = Request(row=row, rid=rid)
-        inp = self.cfg.input
-        try:
-            if "__error__" in row:
-                raise ValueError(row["__error__"])
-            overrides: dict[str, Any] = {}
-            if self.openai_in:
-                body = row.get("body")
-                if not isinstance(body, dict):
-                    raise ValueError("body must be a JSON object")
-                prompt, messages = body.get("prompt"), body.get("messages")
-                overrides = {
-                    k: v
-                    for k, v in body.items()
-                    if k not in ("prompt", "messages", "model", "stream", "user")
-                }
-                if "max_completion_tokens" in overrides:
-                    overrides["max_tokens"] = overrides.pop("max_completion_tokens")
-                if isinstance(prompt, list) and len(prompt) == 1:
-                    prompt = prompt[0]
-            else:
-                prompt = row.get(inp.prompt_column) if inp.prompt_column else None
-                messages = row.get(inp.messages_column) if inp.messages_column else None
-                if inp.params_column and row.get(inp.params_column) is not None:
-                    raw = row[inp.params_column]
-                    overrides = json.loads(raw) if isinstance(raw, str) else dict(raw)
-                    if not isinstance(overrides, dict):
-                        raise ValueError(f"{inp.params_column} must hold an object of generation parameters")
-                    overrides = {k: v for k, v in overrides.items() if v is not None}
-            if messages is not None or (inp.messages_column and not self.openai_in):
-                if not isinstance(messages, list) or not messages:
-                    raise ValueError("messages must be a non-empty list of {role, content} objects")
-                try:
-                    text = tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=self.cfg.run.add_generation_prompt
-                    )
-                except Exception as e:  # noqa: BLE001
-                    raise ValueError(f"chat template failed: {e}") from None
-                req.chat = True
-                req.token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                if prompt is None:
-                    raise ValueError("prompt is null")
-                if not isinstance(prompt, str):
-                    raise ValueError(f"prompt must be text, got {type(prompt).__name__}")
-                if not prompt.strip():
-                    raise ValueError("prompt is empty")
-                req.token_ids = tokenizer(prompt)["input_ids"]
-            params = self.cfg.params(overrides)
-            if isinstance(params, SamplingParams) and (params.seed is None or "seed" not in overrides):
-                base = self.cfg.generation.get("seed", self.cfg.engine.get("seed", 0))
-                params.seed = stable_seed(int(base), rid)
-            req.params = params
-        except (ValueError, TypeError) as e:
-            req.error = str(e)
-        return req
-
     def _reader(
         self,
         q: queue.Queue,
@@ -297,7 +222,7 @@ class JobRunner:
                     seen.add(rid)
                     while not stop.is_set():
                         try:
-                            q.put(self._build(tokenizer, row, rid), timeout=0.5)
+                            q.put(self.codec.build(tokenizer, row, rid), timeout=0.5)
                             break
                         except queue.Full:
                             continue
@@ -311,83 +236,6 @@ class JobRunner:
         q.put(_END)
 
     # -- output rows ---------------------------------------------------------------------------
-    def _row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
-        if self.cfg.output.format == "openai":
-            return self._openai_row(req, out, error)
-        row = dict(req.row)
-        row.pop("__error__", None)
-        if out is None:
-            row.update(
-                completions=None,
-                num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
-                num_generated_tokens=0,
-                error=error,
-            )
-            return row
-        comps = [
-            dict(
-                index=c.index,
-                text=c.text,
-                token_ids=c.token_ids,
-                cumulative_logprob=c.cumulative_logprob,
-                score=c.score,
-                finish_reason=c.finish_reason,
-            )
-            for c in out.outputs
-        ]
-        row.update(
-            completions=comps,
-            num_prompt_tokens=len(out.prompt_token_ids),
-            num_generated_tokens=sum(len(c.token_ids) for c in out.outputs),
-            error=None,
-        )
-        return row
-
-    def _openai_row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
-        rid = req.rid
-        if out is None:
-            return {
-                "id": f"batch_req_{rid}",
-                "custom_id": rid,
-                "response": None,
-                "error": {"code": "invalid_request", "message": error},
-            }
-        n_gen = sum(len(c.token_ids) for c in out.outputs)
-        choices: list[dict[str, Any]]
-        if req.chat:
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason,
-                }
-                for c in out.outputs
-            ]
-            obj = "chat.completion"
-        else:
-            choices = [
-                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs
-            ]
-            obj = "text_completion"
-        body = {
-            "id": f"cmpl-{rid}",
-            "object": obj,
-            "created": int(time.time()),
-            "model": self.cfg.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": n_gen,
-                "total_tokens": len(out.prompt_token_ids) + n_gen,
-            },
-        }
-        return {
-            "id": f"batch_req_{rid}",
-            "custom_id": rid,
-            "response": {"status_code": 200, "request_id": rid, "body": body},
-            "error": None,
-        }
-
     def _writer(self, sink: ShardSink, q: queue.Queue, schema, errors: list[BaseException]) -> None:
         buf: list[dict[str, Any]] = []
         last = time.monotonic()
@@ -650,14 +498,14 @@ class _MainLoop:
             self.report.rows_ok += 1
             self.report.rows_deduplicated += i > 0
             self.report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
-            self.job._put(self.out_q, self.job._row(row, out, None), self.writer_errors)
+            self.job._put(self.out_q, self.job.codec.row(row, out, None), self.writer_errors)
             self.bar.update(1)
 
     def _fail(self, req: Request, error: str | None) -> None:
         self.report.rows_failed += 1
         message = str(error)
         self.report.errors[message] = self.report.errors.get(message, 0) + 1
-        self.job._put(self.out_q, self.job._row(req, None, error), self.writer_errors)
+        self.job._put(self.out_q, self.job.codec.row(req, None, error), self.writer_errors)
         self.bar.update(1)
 
     def _expected_tokens_per_row(self) -> float:

@@ -41,7 +41,8 @@ class OutputWriteError(RuntimeError):
 
 
 def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
+    # the writer's pid keeps two processes writing the same name (a retried task) apart
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -88,15 +89,18 @@ class ShardSink:
     only its own shards. Temp files a crash or a full disk left behind are removed at start.
     """
 
-    def __init__(self, out_dir: str | Path, fmt: str, id_key: str, prefix: str = "part") -> None:
+    def __init__(
+        self, out_dir: str | Path, fmt: str, id_key: str, prefix: str = "part", clean: bool = True
+    ) -> None:
         self.dir = Path(out_dir)
         self.fmt = fmt
         self.id_key = id_key
         self.prefix = prefix
         self._name = re.compile(rf"^{re.escape(prefix)}-(\d+)\.(parquet|jsonl)$")
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(f".{prefix}-*.tmp"):
-            _discard(stale)
+        if clean:  # not by a Ray replica: another one may be writing
+            for stale in self.dir.glob(f".{prefix}-*.tmp"):
+                _discard(stale)
         self.next_index = (
             max((int(m.group(1)) for m in map(self._name.match, os.listdir(self.dir)) if m), default=-1) + 1
         )
@@ -126,16 +130,7 @@ class ShardSink:
         """Ids of the rows in the shards: ``str(id)``, or ``#POSITION`` for a row without an id."""
         done: set[str] = set()
         for shard in self.shards():
-            if shard.suffix == ".parquet":
-                names = pq.ParquetFile(shard).schema_arrow.names
-                cols = [self.id_key] + (["row_index"] if "row_index" in names and self.id_key != "row_index" else [])
-                table = pq.read_table(shard, columns=cols)
-                ids = table.column(0).to_pylist()
-                positions = table.column(1).to_pylist() if len(cols) > 1 else [None] * len(ids)
-                done.update(str(v) if v is not None else f"#{pos}" for v, pos in zip(ids, positions, strict=True))
-            else:
-                with open(shard) as f:
-                    done.update(str(json.loads(line)["custom_id"]) for line in f if line.strip())
+            done.update(shard_ids(shard, self.id_key))
         return done
 
     def totals(self) -> tuple[int, int]:
@@ -154,9 +149,11 @@ class ShardSink:
                             failed += json.loads(line).get("error") is not None
         return rows, failed
 
-    def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> Path:
-        """Write one shard atomically; on failure nothing of it stays (``OutputWriteError``)."""
-        path = self.dir / f"{self.prefix}-{self.next_index:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
+    def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None, index: int | None = None) -> Path:
+        """Write one shard atomically; on failure nothing of it stays (``OutputWriteError``).
+        ``index`` names it (a Ray unit of work, so that a retry overwrites); by default the next."""
+        number = self.next_index if index is None else index
+        path = self.dir / f"{self.prefix}-{number:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
         if self.fmt == "parquet":
             table = self._table(rows, input_schema)
             tmp = _tmp_path(path)
@@ -172,43 +169,75 @@ class ShardSink:
         else:
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
             atomic_write_bytes(path, data)
-        self.next_index += 1
+        self.next_index = max(self.next_index, number + 1)
         if self._rows_by_shard is not None:
             self._rows_by_shard[path.name] = len(rows)
         return path
 
     def _table(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> pa.Table:
         if self.schema is None:
-            if input_schema is not None:
-                fields = [f for f in input_schema if f.name not in {o.name for o in OUTPUT_FIELDS}]
-            else:
-                probe = pa.Table.from_pylist(
-                    [{k: v for k, v in r.items() if k not in {o.name for o in OUTPUT_FIELDS}} for r in rows]
-                )
-                fields = list(probe.schema)
-            for key in dict.fromkeys((self.id_key, "row_index")):  # every row names its input position
-                if key not in [f.name for f in fields]:
-                    fields.append(pa.field(key, pa.int64()))
-            self.schema = pa.schema(fields + OUTPUT_FIELDS)
-        try:
-            return pa.Table.from_pylist(rows, schema=self.schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            # A row whose input values do not fit the schema keeps what fits; the rest becomes null.
-            fixed = []
-            for r in rows:
-                try:
-                    pa.Table.from_pylist([r], schema=self.schema)
-                    fixed.append(r)
-                except (pa.ArrowInvalid, pa.ArrowTypeError):
-                    clean = dict(r)
-                    for f in self.schema:
-                        value = clean.get(f.name)
-                        if pa.types.is_string(f.type) and value is not None and not isinstance(value, str):
-                            # a column whose values disagree in type is text: keep them as JSON
-                            clean[f.name] = value = json.dumps(value, ensure_ascii=False, default=str)
-                        try:
-                            pa.array([value], type=f.type)
-                        except (pa.ArrowInvalid, pa.ArrowTypeError):
-                            clean[f.name] = None
-                    fixed.append(clean)
-            return pa.Table.from_pylist(fixed, schema=self.schema)
+            self.schema = output_schema(input_schema, rows, (self.id_key, "row_index"))
+        return rows_table(rows, self.schema)
+
+    def note(self, name: str, rows: int) -> None:
+        """Record a shard that another process wrote into this directory (a Ray replica)."""
+        if self._rows_by_shard is None:
+            self._rows_by_shard = self._scan_rows()
+        self._rows_by_shard[name] = rows
+
+
+_OUTPUT_NAMES = {o.name for o in OUTPUT_FIELDS}
+
+
+def shard_ids(shard: Path, id_key: str) -> list[str]:
+    """The row ids in one shard, in order: ``str(id)``, or ``#POSITION`` for a row without an id."""
+    if shard.suffix == ".parquet":
+        names = pq.ParquetFile(shard).schema_arrow.names
+        cols = [id_key] + (["row_index"] if "row_index" in names and id_key != "row_index" else [])
+        table = pq.read_table(shard, columns=cols)
+        ids = table.column(0).to_pylist()
+        positions = table.column(1).to_pylist() if len(cols) > 1 else [None] * len(ids)
+        return [str(v) if v is not None else f"#{pos}" for v, pos in zip(ids, positions, strict=True)]
+    with open(shard) as f:
+        return [str(json.loads(line)["custom_id"]) for line in f if line.strip()]
+
+
+def output_schema(
+    input_schema: pa.Schema | None, rows: list[dict[str, Any]], id_columns: tuple[str, ...] = ()
+) -> pa.Schema:
+    """The input's columns (or, without an input schema, those of ``rows``), the id columns as
+    int64 where the input lacks them, then the output columns."""
+    if input_schema is not None:
+        fields = [f for f in input_schema if f.name not in _OUTPUT_NAMES]
+    else:
+        probe = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in _OUTPUT_NAMES} for r in rows])
+        fields = list(probe.schema)
+    for key in dict.fromkeys(id_columns):  # every row names its input position
+        if key not in [f.name for f in fields]:
+            fields.append(pa.field(key, pa.int64()))
+    return pa.schema(fields + OUTPUT_FIELDS)
+
+
+def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """``rows`` as a table of ``schema``. A row whose input values do not fit keeps what fits; a
+    column whose values disagree in type holds them as JSON text; the rest becomes null."""
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        fixed = []
+        for r in rows:
+            try:
+                pa.Table.from_pylist([r], schema=schema)
+                fixed.append(r)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                clean = dict(r)
+                for f in schema:
+                    value = clean.get(f.name)
+                    if pa.types.is_string(f.type) and value is not None and not isinstance(value, str):
+                        clean[f.name] = value = json.dumps(value, ensure_ascii=False, default=str)
+                    try:
+                        pa.array([value], type=f.type)
+                    except (pa.ArrowInvalid, pa.ArrowTypeError):
+                        clean[f.name] = None
+                fixed.append(clean)
+        return pa.Table.from_pylist(fixed, schema=schema)

@@ -1,0 +1,135 @@
+"""The Kubernetes manifests under jobs/k8s: they are objects of the right kinds (checked against
+the ``kubernetes`` client's models), and the Indexed Job's exact command, run by one process per
+index with ``JOB_COMPLETION_INDEX`` set (one of them SIGKILLed and rerun), writes every input row
+exactly once, which ``batchgen verify`` confirms; verify names the ids of a deleted or a
+duplicated shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from kubernetes.client import ApiClient
+
+from batchgen.cli import main
+from tests.job.helpers import ROOT
+
+K8S = ROOT / "jobs" / "k8s"
+N_ROWS = 60
+
+
+def as_model(obj: dict, kind: str):
+    """``obj`` as the client's model ``kind``; a misspelled or misplaced key would be dropped by the
+    model, so the round trip must give ``obj`` back."""
+    model = ApiClient().deserialize(json.dumps(obj), kind, "application/json")
+    assert ApiClient().sanitize_for_serialization(model) == obj, f"keys the {kind} model does not know"
+    return model
+
+
+def test_the_indexed_job_manifest_is_an_indexed_batch_job():
+    doc = yaml.safe_load((K8S / "indexed-job.yaml").read_text())
+    job = as_model(doc, "V1Job")
+    assert job.kind == "Job" and job.api_version == "batch/v1"
+    assert job.spec.completion_mode == "Indexed" and job.spec.completions == job.spec.parallelism == 4
+    command = " ".join(job.spec.template.spec.containers[0].command)
+    assert "python -m batchgen job" in command and "run.shard=${JOB_COMPLETION_INDEX}/4" in command
+    assert job.spec.template.spec.restart_policy == "Never"
+
+
+def test_the_rayjob_manifest_is_a_kuberay_job_with_valid_pod_templates():
+    doc = yaml.safe_load((K8S / "rayjob.yaml").read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayJob")  # a CRD: no client model
+    assert set(doc["spec"]) <= {"entrypoint", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "rayClusterSpec"}
+    assert "python -m batchgen job" in doc["spec"]["entrypoint"] and "run.executor=ray" in doc["spec"]["entrypoint"]
+    cluster = doc["spec"]["rayClusterSpec"]
+    as_model(cluster["headGroupSpec"]["template"], "V1PodTemplateSpec")
+    for group in cluster["workerGroupSpecs"]:
+        as_model(group["template"], "V1PodTemplateSpec")
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+@pytest.fixture
+def indexed_job(tmp_path, llama_dir):
+    """The volume /data of the manifest, as a directory: model, input, config."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copytree(llama_dir, data / "model")
+    words = ["cat", "dog", "the", "a", "fox", "sat", "on", "mat"]
+    rows = [{"prompt": " ".join(words[(i * 3 + k) % 8] for k in range(1 + i % 9))} for i in range(N_ROWS)]
+    pq.write_table(pa.Table.from_pylist(rows), data / "in.parquet")
+    config = {
+        "model": str(data / "model"),
+        "input": {"path": str(data / "in.parquet"), "prompt_column": "prompt"},
+        "output": {"path": str(data / "out"), "rows_per_shard": 3, "flush_seconds": 0.5},
+        "generation": {"n": 2, "temperature": 1.0, "max_tokens": 16, "seed": 1, "ignore_eos": True},
+        "engine": {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 128},
+    }
+    (data / "job.yaml").write_text(yaml.safe_dump(config))
+    doc = yaml.safe_load((K8S / "indexed-job.yaml").read_text())
+    container = doc["spec"]["template"]["spec"]["containers"][0]
+    command = [part.replace("/data", str(data)) for part in container["command"]]
+    return data, command, doc["spec"]["completions"]
+
+
+def start_pod(command: list[str], index: int, data: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "JOB_COMPLETION_INDEX": str(index),  # what Kubernetes sets in each pod of an Indexed Job
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # its `python`
+        "PYTHONPATH": str(ROOT),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.Popen(command, env=env, cwd=data, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_indexed_job_command_with_a_pod_killed_and_rerun_covers_every_row_once(indexed_job, capsys):
+    data, command, n = indexed_job
+    out = data / "out"
+    pods = {i: start_pod(command, i, data) for i in range(n)}
+    victim = pods[1]
+    end = time.monotonic() + 600
+    while not list(out.glob("part-00001-of-00004-*.parquet")) and victim.poll() is None:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    victim.kill()  # the pod of index 1 dies mid-job (SIGKILL: nothing runs after)
+    victim.wait()
+    pods[1] = start_pod(command, 1, data)  # Kubernetes starts a new pod for the index
+    for i, pod in pods.items():
+        _, err = pod.communicate(timeout=600)
+        assert pod.returncode == 0, f"index {i}: {err[-2000:]}"
+    assert sorted(p.name for p in (out / ".batchgen").glob("manifest*")) == [
+        f"manifest-{i:05d}-of-00004.json" for i in range(4)
+    ]
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0
+    assert "every row exactly once" in capsys.readouterr().out
+    combined = json.loads((out / ".batchgen" / "report.json").read_text())
+    assert combined["workers"] == 4 and combined["verify"]["ok"] and combined["rows_in_output"] == N_ROWS
+
+    # a lost shard: verify fails and names its rows
+    shard = sorted(out.glob("part-00002-of-00004-*.parquet"))[0]
+    lost = [str(v) for v in sorted(pq.read_table(shard, columns=["row_index"]).column(0).to_pylist())]
+    moved = shard.rename(data / shard.name)
+    assert main(["verify", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert f"missing {len(lost)} ids: {', '.join(lost)}" in report
+    moved.rename(shard)
+    # a shard written twice (a worker's copy under another name): verify names the ids and shards
+    copy = out / "part-00003-of-00004-000099.parquet"
+    source = sorted(out.glob("part-00003-of-00004-*.parquet"))[0]
+    shutil.copy(source, copy)
+    twice = pq.read_table(source, columns=["row_index"]).column(0).to_pylist()
+    assert main(["verify", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert f"duplicated {len(twice)} ids: {twice[0]} in {source.name}, {copy.name}" in report
+    assert not json.loads((out / ".batchgen" / "report.json").read_text())["verify"]["ok"]
