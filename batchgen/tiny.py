@@ -232,6 +232,25 @@ def make_bench_model(path: str | Path) -> Path:
     return make_model(path, "llama", seed=0, **BENCH_SHAPE)
 
 
+DEEP_SHAPE: dict[str, Any] = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    max_positions=4096,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+)
+
+
+def make_bench_deep_model(path: str | Path) -> Path:
+    """WORKLOADS.md "R" (issue 17): a deep narrow Llama of a small chat model's shape, vocab 49152,
+    hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings."""
+    return make_model(path, "llama", seed=0, **DEEP_SHAPE)
+
+
 def make_bench_moe_model(path: str | Path) -> Path:
     """WORKLOADS.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
     2 KV heads, 16 experts of 384, top-4 (so 4 x 384 = 1536 active, bench-56m's MLP width)."""

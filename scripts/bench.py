@@ -1,9 +1,14 @@
 """Benchmarks of WORKLOADS.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D M] [--model models/bench-56m] [--moe-model models/bench-moe]
+    python scripts/bench.py [S B P D M R] [--model models/bench-56m] [--moe-model models/bench-moe]
+                            [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
                             [--engine-setting K=V]
+
+Workload R runs 32 prompts of 32-256 tokens, n=4 sampling, 64 new tokens on a deep narrow model
+(``batchgen.tiny.make_bench_deep_model``: 30 layers, hidden 576, vocab 49152, tied embeddings).
+``--dtype bfloat16`` runs both sides (and the GEMM floor) in bfloat16.
 
 Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16 experts, top-4,
 ``batchgen.tiny.make_bench_moe_model``) and reports the share of batchgen's time in expert GEMMs.
@@ -42,11 +47,12 @@ class Workload:
     notes: str = ""
     extra: dict = field(default_factory=dict)
     moe: bool = False  # runs on the mixture-of-experts bench model
+    deep: bool = False  # runs on the deep narrow bench model (workload R)
     engine: dict = field(default_factory=dict)  # engine settings of this workload
     baseline_batch_sizes: list[int] | None = None  # instead of --baseline-batch-sizes
 
 
-def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
+def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> list[Workload]:
     out = []
     rng = np.random.default_rng(0)
 
@@ -62,6 +68,22 @@ def make_workloads(vocab: int, names: list[str]) -> list[Workload]:
 
     if "S" in names:
         out.append(n_best("S", rng, "n-best sampling n=8"))
+    if "R" in names:  # 32 prompts of 32-256 tokens, n=4, on the deep narrow model
+        generator = np.random.default_rng(3)
+        lens = generator.integers(32, 257, size=32)
+        out.append(
+            Workload(
+                "R",
+                [generator.integers(VOCAB_LOW, vocab_deep, size=int(n)).tolist() for n in lens],
+                "sample",
+                [64] * 32,
+                n=4,
+                temperature=0.8,
+                top_p=0.95,
+                notes="deep narrow model (30 layers, hidden 576), n=4 sampling",
+                deep=True,
+            )
+        )
     if "M" in names:  # S's very prompts (S draws first from a generator seeded 0)
         out.append(n_best("M", np.random.default_rng(0), "n-best sampling n=8 on the MoE model", moe=True))
     if "B" in names:
@@ -136,13 +158,15 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | None = None) -> dict:
+def run_batchgen(
+    model_dir: str, w: Workload, threads: int, settings: dict | None = None, dtype: str = "float32"
+) -> dict:
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(
         model_dir,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         max_num_seqs=256,
         max_num_batched_tokens=2048,
@@ -178,11 +202,11 @@ def run_batchgen(model_dir: str, w: Workload, threads: int, settings: dict | Non
     return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall, "stats": llm.stats()}
 
 
-def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int) -> dict:
+def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dtype: str = "float32") -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     results = {}
     for bs in batch_sizes:
         t0 = time.perf_counter()
@@ -252,15 +276,19 @@ def mflop_per_token(model_dir: str) -> float:
     return sum(2 * r * n * k for r, n, k in shapes) / 128 / 1e6 + ATTENTION_MFLOP
 
 
-def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128) -> float:
+def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128, dtype: str = "float32") -> float:
     """FLOP rate of the model's own GEMM shapes at a decode batch of ``rows`` (``gemm_shapes``),
-    through ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them."""
+    through ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them,
+    in ``dtype``."""
     from batchgen.model.linear import Linear
 
     torch.set_num_threads(threads)
+    dt = getattr(torch, dtype)
     shapes = gemm_shapes(model_dir, rows)
-    layers = {(n, k): Linear(torch.randn(n, k) * 0.02, pack=backend == "onednn") for _, n, k in set(shapes)}
-    xs = {(r, k): torch.randn(r, k) for r, _, k in shapes}
+    layers = {
+        (n, k): Linear((torch.randn(n, k) * 0.02).to(dt), pack=backend == "onednn") for _, n, k in set(shapes)
+    }
+    xs = {(r, k): torch.randn(r, k).to(dt) for r, _, k in shapes}
     for r, n, k in shapes:  # warm-up
         layers[n, k](xs[r, k])
     best = float("inf")
@@ -291,6 +319,8 @@ def main() -> None:
     ap.add_argument("workloads", nargs="*", default=["S", "B", "P", "D"])
     ap.add_argument("--model", default="models/bench-56m")
     ap.add_argument("--moe-model", default="models/bench-moe", help="the model of workload M")
+    ap.add_argument("--deep-model", default="models/bench-deep", help="the model of workload R")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--skip-baseline", action="store_true")
@@ -308,24 +338,30 @@ def main() -> None:
         key, _, value = item.partition("=")
         settings[key] = int(value) if value.lstrip("-").isdigit() else value
     names = [x.upper() for x in args.workloads]
-    from batchgen.tiny import make_bench_model, make_bench_moe_model
+    from batchgen.tiny import make_bench_deep_model, make_bench_model, make_bench_moe_model
 
     for path, make, wanted in (
-        (args.model, make_bench_model, set(names) - {"M"}),
+        (args.model, make_bench_model, set(names) - {"M", "R"}),
         (args.moe_model, make_bench_moe_model, {"M"} & set(names)),
+        (args.deep_model, make_bench_deep_model, {"R"} & set(names)),
     ):
         if wanted and not (Path(path) / "config.json").exists():
             print(f"building the bench model in {path} ...", flush=True)
             make(path)
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(args.moe_model if names == ["M"] else args.model).vocab_size
+    def model_of(w: Workload) -> str:
+        return args.moe_model if w.moe else args.deep_model if w.deep else args.model
+
+    first = args.deep_model if names == ["R"] else args.model
+    vocab = AutoConfig.from_pretrained(args.moe_model if names == ["M"] else first).vocab_size
+    vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if "R" in names else 49152
     rows = []
-    workloads = make_workloads(vocab, names)
+    workloads = make_workloads(vocab, names, vocab_deep)
     for w in workloads:
-        model = args.moe_model if w.moe else args.model
+        model = model_of(w)
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts ({model})", flush=True)
-        bg = in_fresh_process(run_batchgen, model, w, args.threads, settings)
+        bg = in_fresh_process(run_batchgen, model, w, args.threads, settings, args.dtype)
         s = bg["stats"]
         print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
         if w.moe:
@@ -348,7 +384,7 @@ def main() -> None:
             None
             if skip
             else in_fresh_process(
-                run_hf, model, w, w.baseline_batch_sizes or args.baseline_batch_sizes, args.threads
+                run_hf, model, w, w.baseline_batch_sizes or args.baseline_batch_sizes, args.threads, args.dtype
             )
         )
         rows.append(
@@ -384,8 +420,10 @@ def main() -> None:
             f"computed {b['stats']['prompt_tokens_computed']} vs {a['stats']['prompt_tokens_computed']}"
         )
     rates: dict[str, dict[str, float]] = {}
-    for model in {args.moe_model if w.moe else args.model for w in workloads}:
-        rates[model] = {b: in_fresh_process(gemm_gflops, model, b, args.threads) for b in ("torch", "onednn")}
+    for model in {model_of(w) for w in workloads}:
+        rates[model] = {
+            b: in_fresh_process(gemm_gflops, model, b, args.threads, 128, args.dtype) for b in ("torch", "onednn")
+        }
         print(
             f"\nGEMM rate of {model}'s shapes at 128 rows ({mflop_per_token(model):.0f} MFLOP per token): "
             f"F.linear (MKL) {rates[model]['torch']:.0f} GFLOP/s, oneDNN packed {rates[model]['onednn']:.0f} GFLOP/s"
@@ -395,7 +433,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- |")
     for r, w in zip(rows, workloads, strict=True):
-        model = args.moe_model if w.moe else args.model
+        model = model_of(w)
         mflop = mflop_per_token(model)
         lo, hi = floor_tok_s(w, rates[model]["torch"], mflop), floor_tok_s(w, rates[model]["onednn"], mflop)
         r["floor_tok_s"] = {"torch": lo, "onednn": hi}
@@ -404,6 +442,7 @@ def main() -> None:
         "machine": platform.platform(),
         "cpu": platform.processor(),
         "threads": args.threads,
+        "dtype": args.dtype,
         "torch": torch.__version__,
         "engine_settings": settings,
         "gemm_gflops": rates,

@@ -104,13 +104,14 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def _softmax(scores: torch.Tensor, layer: LayerAttention, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last axis of masked scores, with the sink logits (already shaped to
-    broadcast against ``scores[..., :1]``) as one more column that is dropped afterwards."""
+    broadcast against ``scores[..., :1]``) as one more column that is dropped afterwards. The
+    softmax runs in float32 whatever the scores' dtype (bfloat16 on a CPU), as transformers does."""
     if sinks is None:
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
     column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
     combined = torch.cat([scores, column], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
-    return torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
