@@ -85,7 +85,9 @@ class EngineLoop:
 
     def _loop(self) -> None:
         engine = self.engine
-        owner: dict[str, tuple[str, dict, threading.Event, int]] = {}  # engine id -> (row id, results, event, call)
+        owner: dict[
+            str, tuple[str, dict, threading.Event, int]
+        ] = {}  # engine id -> (row id, results, event, call)
         pending: dict[int, int] = {}  # call -> requests not finished
         events: dict[int, threading.Event] = {}
         try:
@@ -157,7 +159,9 @@ class EngineReplica:
         self.name = f"{os.uname().nodename}:{os.getpid()}"
         self.rows_deduplicated = 0
 
-    def generate_rows(self, rows: list[dict[str, Any]], rids: list[str]) -> tuple[list[Request], list[dict[str, Any]]]:
+    def generate_rows(
+        self, rows: list[dict[str, Any]], rids: list[str]
+    ) -> tuple[list[Request], list[dict[str, Any]]]:
         """Build, generate and render ``rows`` (one output row each, in order)."""
         requests = [self.codec.build(self.tokenizer, row, rid) for row, rid in zip(rows, rids, strict=True)]
         valid = [r for r in requests if r.error is None]
@@ -208,7 +212,9 @@ class Processor:
         return apply_replicas(dataset, EngineReplica, self.cfg, {"cfg": self.cfg, "id_key": self.id_column})
 
 
-def apply_replicas(dataset, replica_cls: type, cfg: JobConfig, kwargs: dict[str, Any], whole_blocks: bool = False):
+def apply_replicas(
+    dataset, replica_cls: type, cfg: JobConfig, kwargs: dict[str, Any], whole_blocks: bool = False
+):
     """``dataset.map_batches`` over a fixed pool of ``cfg.ray.num_replicas`` actors of ``replica_cls``,
     batches of ``ray.batch_rows`` rows (``whole_blocks``: one call per block)."""
     from ray.data import ActorPoolStrategy

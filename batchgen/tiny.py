@@ -227,9 +227,10 @@ BENCH_SHAPE: dict[str, Any] = dict(
 )
 
 
-def make_bench_model(path: str | Path) -> Path:
-    """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads."""
-    return make_model(path, "llama", seed=0, **BENCH_SHAPE)
+def make_bench_model(path: str | Path, max_positions: int = 4096) -> Path:
+    """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads
+    (``max_positions=32768``: workload L's long-context variant, the same weights)."""
+    return make_model(path, "llama", seed=0, **{**BENCH_SHAPE, "max_positions": max_positions})
 
 
 DEEP_SHAPE: dict[str, Any] = dict(

@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing
 import platform
+import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class Workload:
     extra: dict = field(default_factory=dict)
     moe: bool = False  # runs on the mixture-of-experts bench model
     deep: bool = False  # runs on the deep narrow bench model (workload R)
+    long: bool = False  # runs on bench-56m with a 32k context (workload L)
     engine: dict = field(default_factory=dict)  # engine settings of this workload
     baseline_batch_sizes: list[int] | None = None  # instead of --baseline-batch-sizes
 
@@ -86,6 +88,23 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
         )
     if "M" in names:  # S's very prompts (S draws first from a generator seeded 0)
         out.append(n_best("M", np.random.default_rng(0), "n-best sampling n=8 on the MoE model", moe=True))
+    if "L" in names:  # one 16,384-token prompt and three of 4,096, n=4 sampling, on a 32k context
+        generator = np.random.default_rng(4)
+        lens = [16384, 4096, 4096, 4096]
+        out.append(
+            Workload(
+                "L",
+                [generator.integers(VOCAB_LOW, vocab, size=n).tolist() for n in lens],
+                "sample",
+                [64] * 4,
+                n=4,
+                temperature=0.8,
+                top_p=0.95,
+                notes="long context: prompts of 16,384 and 3 x 4,096 tokens, n=4",
+                long=True,
+                baseline_batch_sizes=[1],
+            )
+        )
     if "B" in names:
         lens = rng.integers(64, 257, size=16)
         out.append(
@@ -199,7 +218,16 @@ def run_batchgen(
     wall = time.perf_counter() - t0
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert gen == useful_tokens(w), (gen, useful_tokens(w))
-    return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall, "stats": llm.stats()}
+    stats = llm.stats()
+    prompt_tokens = sum(len(p) for p in w.prompts)
+    return {
+        "wall_s": wall,
+        "generated_tokens": gen,
+        "tokens_per_s": gen / wall,
+        "prefill_tokens_per_s": prompt_tokens / stats["prefill_s"] if stats["prefill_s"] else None,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "stats": stats,
+    }
 
 
 def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dtype: str = "float32") -> dict:
@@ -221,7 +249,9 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             top = max(limits)
-            kwargs = dict(max_new_tokens=top, min_new_tokens=top, pad_token_id=0, attention_mask=mask)
+            kwargs = dict(max_new_tokens=top, min_new_tokens=top, pad_token_id=0)
+            if bool((mask == 0).any()):  # no mask without padding: no [rows, ctx, ctx] mask at long contexts
+                kwargs["attention_mask"] = mask
             if w.kind == "sample":
                 kwargs.update(
                     do_sample=True,
@@ -242,7 +272,15 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
         results[bs] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall}
         print(f"    transformers batch {bs:>2}: {gen / wall:8.1f} tok/s ({wall:.1f} s)", flush=True)
     best = max(results, key=lambda b: results[b]["tokens_per_s"])
-    return {"per_batch_size": results, "best_batch_size": best, **results[best]}
+    out = {"per_batch_size": results, "best_batch_size": best, **results[best]}
+    if w.long:  # prefill alone: one forward over each prompt
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in w.prompts:
+                model(torch.tensor([p]))
+        out["prefill_tokens_per_s"] = sum(len(p) for p in w.prompts) / (time.perf_counter() - t0)
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
 
 
 def gemm_shapes(model_dir: str, rows: int = 128) -> list[tuple[int, int, int]]:
@@ -320,6 +358,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/bench-56m")
     ap.add_argument("--moe-model", default="models/bench-moe", help="the model of workload M")
     ap.add_argument("--deep-model", default="models/bench-deep", help="the model of workload R")
+    ap.add_argument("--long-model", default="models/bench-56m-32k", help="the model of workload L")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
@@ -341,9 +380,10 @@ def main() -> None:
     from batchgen.tiny import make_bench_deep_model, make_bench_model, make_bench_moe_model
 
     for path, make, wanted in (
-        (args.model, make_bench_model, set(names) - {"M", "R"}),
+        (args.model, make_bench_model, set(names) - {"M", "R", "L"}),
         (args.moe_model, make_bench_moe_model, {"M"} & set(names)),
         (args.deep_model, make_bench_deep_model, {"R"} & set(names)),
+        (args.long_model, lambda p: make_bench_model(p, max_positions=32768), {"L"} & set(names)),
     ):
         if wanted and not (Path(path) / "config.json").exists():
             print(f"building the bench model in {path} ...", flush=True)
@@ -351,9 +391,21 @@ def main() -> None:
     from transformers import AutoConfig
 
     def model_of(w: Workload) -> str:
-        return args.moe_model if w.moe else args.deep_model if w.deep else args.model
+        return (
+            args.moe_model
+            if w.moe
+            else args.deep_model
+            if w.deep
+            else args.long_model
+            if w.long
+            else args.model
+        )
 
-    first = args.deep_model if names == ["R"] else args.model
+    first = (
+        {"R": args.deep_model, "L": args.long_model}.get(names[0], args.model)
+        if len(names) == 1
+        else args.model
+    )
     vocab = AutoConfig.from_pretrained(args.moe_model if names == ["M"] else first).vocab_size
     vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if "R" in names else 49152
     rows = []
@@ -364,6 +416,11 @@ def main() -> None:
         bg = in_fresh_process(run_batchgen, model, w, args.threads, settings, args.dtype)
         s = bg["stats"]
         print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
+        if w.long:
+            print(
+                f"    batchgen prefill {bg['prefill_tokens_per_s']:.0f} prompt tok/s, peak RSS {bg['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
         if w.moe:
             share = s["expert_s"] / bg["wall_s"]
             print(f"    expert GEMMs: {s['expert_s']:.1f} s, {share:.0%} of batchgen's time", flush=True)
@@ -384,9 +441,19 @@ def main() -> None:
             None
             if skip
             else in_fresh_process(
-                run_hf, model, w, w.baseline_batch_sizes or args.baseline_batch_sizes, args.threads, args.dtype
+                run_hf,
+                model,
+                w,
+                w.baseline_batch_sizes or args.baseline_batch_sizes,
+                args.threads,
+                args.dtype,
             )
         )
+        if hf and w.long:
+            print(
+                f"    transformers prefill {hf['prefill_tokens_per_s']:.0f} prompt tok/s, peak RSS {hf['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
         rows.append(
             {
                 "workload": w.name,
@@ -422,7 +489,8 @@ def main() -> None:
     rates: dict[str, dict[str, float]] = {}
     for model in {model_of(w) for w in workloads}:
         rates[model] = {
-            b: in_fresh_process(gemm_gflops, model, b, args.threads, 128, args.dtype) for b in ("torch", "onednn")
+            b: in_fresh_process(gemm_gflops, model, b, args.threads, 128, args.dtype)
+            for b in ("torch", "onednn")
         }
         print(
             f"\nGEMM rate of {model}'s shapes at 128 rows ({mflop_per_token(model):.0f} MFLOP per token): "

@@ -54,7 +54,9 @@ def make_rows(path: Path, n: int, lo: int, hi: int) -> None:
     writer.close()
 
 
-def write_config(tmp: Path, name: str, model: str, data: Path, generation: dict, engine: dict, ray: dict) -> Path:
+def write_config(
+    tmp: Path, name: str, model: str, data: Path, generation: dict, engine: dict, ray: dict
+) -> Path:
     cfg = {
         "model": model,
         "engine": {"dtype": "float32", **engine},
@@ -114,7 +116,9 @@ def throughput(args: argparse.Namespace) -> None:
     wall, _, report = run_job(ray_join, "run.executor=ray", f"ray.address={address}")
     results["ray (2 replicas x 1 thread, joins a running Ray)"] = (wall, report)
     base = args.rows / results["local (1 engine x 2 threads)"][0]
-    print(f"{args.rows} rows, model {model}, {gen['max_tokens']} new tokens per row, units of {args.batch_rows} rows")
+    print(
+        f"{args.rows} rows, model {model}, {gen['max_tokens']} new tokens per row, units of {args.batch_rows} rows"
+    )
     print(f"{'executor':<50} {'wall s':>7} {'rows/s':>8} {'tok/s':>8} {'vs local':>9}")
     table = {}
     for name, (wall, report) in results.items():
@@ -139,8 +143,14 @@ def memory(args: argparse.Namespace) -> None:
         make_rows(data, n, 3, 20)
         config = write_config(tmp, f"mem-{n}", model, data, gen, engine, ray_cfg)
         wall, peak_kb, report = run_job(config, "run.executor=ray", f"ray.address={address}")
-        results[n] = {"driver_peak_rss_mib": round(peak_kb / 1024, 1), "rows": report["rows_in_output"], "wall_s": round(wall, 1)}
-        print(f"{n:>8} rows: driver peak RSS {peak_kb / 1024:8.1f} MiB, {report['rows_in_output']} rows out, {wall:.1f} s")
+        results[n] = {
+            "driver_peak_rss_mib": round(peak_kb / 1024, 1),
+            "rows": report["rows_in_output"],
+            "wall_s": round(wall, 1),
+        }
+        print(
+            f"{n:>8} rows: driver peak RSS {peak_kb / 1024:8.1f} MiB, {report['rows_in_output']} rows out, {wall:.1f} s"
+        )
     if len(results) >= 2:
         lo, hi = results[min(results)]["driver_peak_rss_mib"], results[max(results)]["driver_peak_rss_mib"]
         print(f"driver peak RSS ratio {max(results)} / {min(results)} rows: {hi / lo:.3f} (goal: < 1.20)")

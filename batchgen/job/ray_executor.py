@@ -48,9 +48,7 @@ _UNIT_SCHEMA = pa.schema(
 )
 
 
-def read_units(
-    batch: pa.Table, files: list[str], fmt: str, batch_rows: int, openai_in: bool
-) -> pa.Table:
+def read_units(batch: pa.Table, files: list[str], fmt: str, batch_rows: int, openai_in: bool) -> pa.Table:
     """A read task: the rows of each unit in ``batch``, pickled (the row dicts exactly as the local
     reader makes them, whatever the input's types), tagged with the unit and its row count."""
     out: dict[str, list[Any]] = {"_unit": [], "_unit_rows": [], "_position": [], "_row": []}
@@ -98,7 +96,8 @@ class JobReplica(EngineReplica):
         units: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         expected: dict[int, int] = {}
         for unit, count, position, blob in zip(
-            *(batch.column(name).to_pylist() for name in ("_unit", "_unit_rows", "_position", "_row")), strict=True
+            *(batch.column(name).to_pylist() for name in ("_unit", "_unit_rows", "_position", "_row")),
+            strict=True,
         ):
             units.setdefault(unit, []).append((position, pickle.loads(blob)))
             expected[unit] = count
@@ -223,7 +222,9 @@ class RayJobRunner(JobRunner):
         t_start = time.perf_counter()
         total = self._count_input_rows()
         if total is None:
-            raise RuntimeError(f"cannot count the rows of {self.cfg.input.path!r}; the Ray executor needs the count")
+            raise RuntimeError(
+                f"cannot count the rows of {self.cfg.input.path!r}; the Ray executor needs the count"
+            )
         rows_before, _ = sink.totals()
         units = self._units(total, sink)
         if not units:
@@ -231,7 +232,8 @@ class RayJobRunner(JobRunner):
         skip = self._duplicate_positions(total)
         size = self.cfg.ray.batch_rows
         plan = [
-            {"unit": u, "start": u * size, "stop": min((u + 1) * size, total), "skip": skip.get(u, [])} for u in units
+            {"unit": u, "start": u * size, "stop": min((u + 1) * size, total), "skip": skip.get(u, [])}
+            for u in units
         ]
         started = init_ray(self.cfg.ray.address, self.cfg.ray.num_replicas * self.cfg.ray.cpus_per_replica)
         self._write_manifest(sink)
@@ -265,7 +267,12 @@ class RayJobRunner(JobRunner):
                 concurrency=READ_TASKS,  # ... and few at once: each is a worker process to start
             )
             schema = None if self.openai_in else schema_of(self.files, self.fmt)
-            kwargs = {"cfg": self.cfg, "openai_in": self.openai_in, "id_key": self.id_key, "input_schema": schema}
+            kwargs = {
+                "cfg": self.cfg,
+                "openai_in": self.openai_in,
+                "id_key": self.id_key,
+                "input_schema": schema,
+            }
             summaries = apply_replicas(read, JobReplica, self.cfg, kwargs, whole_blocks=True)
             t_run = time.perf_counter()
             for batch in summaries.iter_batches(batch_size=None, batch_format="pyarrow"):

@@ -80,7 +80,9 @@ def config_of(out_dir: Path) -> str:
     if not names:
         raise ConfigError(f"{out_dir}: no manifest names the job's config; pass --config")
     if len(names) > 1:
-        raise ConfigError(f"{out_dir}: the manifests name different configs ({', '.join(sorted(names))}); pass --config")
+        raise ConfigError(
+            f"{out_dir}: the manifests name different configs ({', '.join(sorted(names))}); pass --config"
+        )
     return names.pop()
 
 
@@ -135,7 +137,14 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
     meta = Path(out_dir) / ".batchgen"
     reports = sorted(meta.glob("report-*-of-*.json")) or sorted(meta.glob("report.json"))
     combined: dict[str, Any] = {"workers": len(reports)}
-    sums = ("rows_ok", "rows_failed", "prompt_tokens", "generated_tokens", "rows_deduplicated", "skipped_duplicate_ids")
+    sums = (
+        "rows_ok",
+        "rows_failed",
+        "prompt_tokens",
+        "generated_tokens",
+        "rows_deduplicated",
+        "skipped_duplicate_ids",
+    )
     for path in reports:
         try:
             r = json.loads(path.read_text())
@@ -147,7 +156,9 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
         for message, count in (r.get("errors") or {}).items():
             combined.setdefault("errors", {})[message] = combined.get("errors", {}).get(message, 0) + count
     if combined.get("wall_s"):
-        combined["generated_tokens_per_s"] = round(combined.get("generated_tokens", 0) / combined["wall_s"], 2)
+        combined["generated_tokens_per_s"] = round(
+            combined.get("generated_tokens", 0) / combined["wall_s"], 2
+        )
     combined["rows_in_output"] = result.rows_in_output
     combined["verify"] = result.to_dict()
     meta.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,9 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return cache[:, block_table].flatten(-3, -2)
 
 
+PREFILL_SCORES = 1 << 23  # query x key scores per head a prefill computes at once (see _prefill)
+
+
 def _softmax(scores: torch.Tensor, layer: LayerAttention, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last axis of masked scores, with the sink logits (already shaped to
     broadcast against ``scores[..., :1]``) as one more column that is dropped afterwards. The
@@ -171,6 +174,22 @@ class TorchAttention:
         n, ctx = chunk.num_tokens, chunk.context_len
         keys = gather(k_cache, chunk.block_table)[:, :ctx]  # [kvh, ctx, d]
         values = gather(v_cache, chunk.block_table)[:, :ctx]
+        if n * ctx <= PREFILL_SCORES:
+            return self._prefill_rows(q, keys, values, layer)
+        # A long context: queries in blocks, so that the scores held at once stay bounded (one
+        # [heads, n, ctx] tensor of a 2,048-token chunk over 16k keys is a gigabyte), each block
+        # against the keys up to its last query only.
+        out = torch.empty_like(q)
+        step = max(1, PREFILL_SCORES // ctx)
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            last = ctx - n + end
+            out[start:end] = self._prefill_rows(q[start:end], keys[:, :last], values[:, :last], layer)
+        return out
+
+    def _prefill_rows(self, q, keys, values, layer):
+        """Attention of ``q`` (the last ``n`` positions of the ``ctx`` keys) over ``keys`` / ``values``."""
+        n, ctx = q.shape[0], keys.shape[1]
         qh = q.transpose(0, 1)  # [h, n, d]
         kvh, h = keys.shape[0], qh.shape[0]
         window, scale = layer.window, layer.scale

@@ -26,7 +26,13 @@ from batchgen import LLM, SamplingParams
 
 TIE = 0.25
 LOGPROB_TOL = 0.1
-PROMPTS = [[1, 15, 27, 33, 8], [1, 200, 201, 202], [1] + list(range(40, 90)), [1, 7, 7, 7, 7, 7, 9], [1, 300, 2, 5]]
+PROMPTS = [
+    [1, 15, 27, 33, 8],
+    [1, 200, 201, 202],
+    [1] + list(range(40, 90)),
+    [1, 7, 7, 7, 7, 7, 9],
+    [1, 300, 2, 5],
+]
 
 
 @torch.no_grad()

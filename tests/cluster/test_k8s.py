@@ -48,8 +48,16 @@ def test_the_indexed_job_manifest_is_an_indexed_batch_job():
 def test_the_rayjob_manifest_is_a_kuberay_job_with_valid_pod_templates():
     doc = yaml.safe_load((K8S / "rayjob.yaml").read_text())
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayJob")  # a CRD: no client model
-    assert set(doc["spec"]) <= {"entrypoint", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "rayClusterSpec"}
-    assert "python -m batchgen job" in doc["spec"]["entrypoint"] and "run.executor=ray" in doc["spec"]["entrypoint"]
+    assert set(doc["spec"]) <= {
+        "entrypoint",
+        "shutdownAfterJobFinishes",
+        "ttlSecondsAfterFinished",
+        "rayClusterSpec",
+    }
+    assert (
+        "python -m batchgen job" in doc["spec"]["entrypoint"]
+        and "run.executor=ray" in doc["spec"]["entrypoint"]
+    )
     cluster = doc["spec"]["rayClusterSpec"]
     as_model(cluster["headGroupSpec"]["template"], "V1PodTemplateSpec")
     for group in cluster["workerGroupSpecs"]:
@@ -89,7 +97,9 @@ def start_pod(command: list[str], index: int, data: Path) -> subprocess.Popen:
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
     }
-    return subprocess.Popen(command, env=env, cwd=data, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command, env=env, cwd=data, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_the_indexed_job_command_with_a_pod_killed_and_rerun_covers_every_row_once(indexed_job, capsys):

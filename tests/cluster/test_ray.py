@@ -64,7 +64,12 @@ def job(tmp_path_factory, llama_dir):
     """The input and config, and the local executor's output: the reference."""
     tmp = tmp_path_factory.mktemp("ray_job")
     pq.write_table(pa.Table.from_pylist(make_rows()), tmp / "in.parquet")
-    spec = {"path": str(tmp / "in.parquet"), "prompt_column": "prompt", "id_column": "id", "params_column": "params"}
+    spec = {
+        "path": str(tmp / "in.parquet"),
+        "prompt_column": "prompt",
+        "id_column": "id",
+        "params_column": "params",
+    }
     config = write_config(tmp, llama_dir, spec, GEN, output={"rows_per_shard": 8}, ray=RAY)
     cfg = load_job_config(config, ["engine.max_model_len=128", "engine.max_num_seqs=8", "run.progress=false"])
     report = JobRunner(cfg).run()
@@ -89,7 +94,9 @@ def assert_same_rows(got: dict[int, dict], want: dict[int, dict]) -> None:
             assert g["completions"] is None
             continue
         assert [c["token_ids"] for c in g["completions"]] == [c["token_ids"] for c in w["completions"]], i
-        assert [c["finish_reason"] for c in g["completions"]] == [c["finish_reason"] for c in w["completions"]]
+        assert [c["finish_reason"] for c in g["completions"]] == [
+            c["finish_reason"] for c in w["completions"]
+        ]
         for a, b in zip(g["completions"], w["completions"], strict=True):
             assert a["cumulative_logprob"] == pytest.approx(b["cumulative_logprob"], abs=1e-4)
 
@@ -143,7 +150,9 @@ def test_the_processor_adds_the_output_columns_to_a_users_dataset(ray_cluster, j
         g = got[i]
         assert g["error"] == w["error"]
         if w["error"] is None:
-            assert [list(c["token_ids"]) for c in g["completions"]] == [c["token_ids"] for c in w["completions"]]
+            assert [list(c["token_ids"]) for c in g["completions"]] == [
+                c["token_ids"] for c in w["completions"]
+            ]
     with pytest.raises(ValueError, match="temperature"):
         build_processor(llama_dir, generation={"temperature": -2.0})
     with pytest.raises(ValueError, match="exactly one of prompt_column or messages_column"):
@@ -157,7 +166,13 @@ def test_ray_settings_are_checked_with_the_config(job):
     with pytest.raises(ConfigError) as e:
         load_job_config(
             config,
-            ["run.executor=ray", "run.shard=0/2", "ray.num_replicas=0", "ray.cpus_per_replica=-1", "ray.adress=x"],
+            [
+                "run.executor=ray",
+                "run.shard=0/2",
+                "ray.num_replicas=0",
+                "ray.cpus_per_replica=-1",
+                "ray.adress=x",
+            ],
         )
     message = str(e.value)
     assert "a Ray job spreads its rows over its replicas itself" in message

@@ -1,0 +1,144 @@
+"""What the job pipeline costs: ``python -m batchgen job`` against ``LLM.generate`` on the same prompts,
+in the same run (issue 17, target 5: the job path within 5% of generate's throughput).
+
+    python scripts/bench_job.py [--rows 4000] [--model models/bench-56m]
+
+The dataset: ``--rows`` text prompts with workload D's length mix (log-normal around 128 words, 8 to
+1024; max_tokens log-normal around 64, 8 to 512, per row through the params column), n=2 seeded
+sampling, ignore_eos, through the model's tokenizer on both sides. Each side runs in its own
+process; each time covers loading the engine and everything after it (the job's report ``wall_s``;
+for generate, ``LLM(...)`` plus ``generate``), so reading, tokenizing, writing and progress are what
+differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the a cat dog fox sat on mat quick brown jumps over lazy river stone light paper".split()
+ENGINE = {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "seed": 0}
+
+
+def make_rows(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    lens = np.clip(np.round(rng.lognormal(np.log(128), 0.75, size=n)), 8, 1024).astype(int)
+    maxt = np.clip(np.round(rng.lognormal(np.log(64), 0.75, size=n)), 8, 512).astype(int)
+    return [
+        {
+            "id": i,
+            "prompt": " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=int(k))),
+            "params": json.dumps({"max_tokens": int(m)}),
+        }
+        for i, (k, m) in enumerate(zip(lens, maxt, strict=True))
+    ]
+
+
+def run_generate(model: str, rows: list[dict], threads: int) -> dict:
+    import torch
+
+    from batchgen import LLM, SamplingParams
+    from batchgen.job.rows import stable_seed
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    llm = LLM(model, **ENGINE)
+    params = [
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            max_tokens=json.loads(r["params"])["max_tokens"],
+            ignore_eos=True,
+            seed=stable_seed(0, str(r["id"])),
+        )
+        for r in rows
+    ]
+    outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"wall_s": wall, "generated_tokens": gen}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4000)
+    ap.add_argument("--model", default="models/bench-56m")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        from batchgen.tiny import make_bench_model
+
+        make_bench_model(args.model)
+    tmp = Path(tempfile.mkdtemp(prefix="batchgen-jobbench-"))
+    rows = make_rows(args.rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "in.parquet")
+    cfg = {
+        "model": args.model,
+        "engine": ENGINE,
+        "input": {
+            "path": str(tmp / "in.parquet"),
+            "prompt_column": "prompt",
+            "id_column": "id",
+            "params_column": "params",
+        },
+        "generation": {"n": 2, "temperature": 1.0, "ignore_eos": True, "seed": 0},
+        "output": {"path": str(tmp / "out")},
+    }
+    (tmp / "job.yaml").write_text(yaml.safe_dump(cfg))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(args.threads),
+    }
+    res = subprocess.run(
+        [sys.executable, "-m", "batchgen", "job", str(tmp / "job.yaml"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        sys.exit(res.stderr[-3000:])
+    report = json.loads((tmp / "out" / ".batchgen" / "report.json").read_text())
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        gen = pool.submit(run_generate, args.model, rows, args.threads).result()
+    job_rate = report["generated_tokens"] / report["wall_s"]
+    gen_rate = gen["generated_tokens"] / gen["wall_s"]
+    assert report["generated_tokens"] == gen["generated_tokens"], (
+        report["generated_tokens"],
+        gen["generated_tokens"],
+    )
+    print(
+        f"{args.rows} rows (D's length mix, text prompts, n=2), {report['generated_tokens']} generated tokens"
+    )
+    print(f"LLM.generate:        {gen_rate:8.1f} tok/s ({gen['wall_s']:.1f} s, engine load included)")
+    print(f"python -m batchgen job: {job_rate:8.1f} tok/s ({report['wall_s']:.1f} s, engine load included)")
+    print(f"job / generate: {job_rate / gen_rate:.3f} (goal >= 0.95)")
+    print(
+        json.dumps(
+            {
+                "rows": args.rows,
+                "generate_tok_s": gen_rate,
+                "job_tok_s": job_rate,
+                "ratio": job_rate / gen_rate,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
