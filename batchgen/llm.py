@@ -12,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.config import EngineConfig
-from batchgen.engine.admission import duplicate_key, prefix_order
+from batchgen.engine.admission import admission_plan
 from batchgen.engine.engine import LLMEngine
 from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -83,21 +83,15 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [str(next(self._ids)) for _ in checked]
-        order: Sequence[int] = range(len(checked))
-        by_prefix = engine.cfg.admission_order == "prefix"
-        if by_prefix and len(checked) > 1:
-            order = prefix_order([prepared.token_ids for prepared, _ in checked], engine.block_size)
-        leaders: dict[tuple, str] = {}
-        copies: dict[str, str] = {}  # a duplicate's request id -> the id of the request computed
-        for i in order:
-            prepared, p = checked[i]
-            key = duplicate_key(prepared.token_ids, p) if by_prefix else None
-            if key is not None and key in leaders:
-                copies[ids[i]] = leaders[key]
-                continue
-            if key is not None:
-                leaders[key] = ids[i]
-            engine.add_request(ids[i], prepared, p)
+        add, duplicates = admission_plan(
+            [prepared.token_ids for prepared, _ in checked],
+            [p for _, p in checked],
+            engine.block_size,
+            engine.cfg.admission_order == "prefix",
+        )
+        for i in add:
+            engine.add_request(ids[i], *checked[i])
+        copies = {ids[i]: ids[j] for i, j in duplicates.items()}  # a duplicate's id -> the id computed
         self.duplicates_merged += len(copies)
 
         results: dict[str, RequestOutput] = {}

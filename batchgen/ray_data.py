@@ -39,7 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.engine.admission import duplicate_key, prefix_order
+from batchgen.engine.admission import admission_plan
 from batchgen.job.config import InputConfig, JobConfig, OutputConfig, RayConfig, RunConfig
 from batchgen.job.rows import Request, RowCodec
 from batchgen.job.sink import output_schema, rows_table
@@ -126,15 +126,13 @@ class EngineLoop:
                 event.set()
 
 
-def row_id(row: dict[str, Any], id_key: str | None, position: int | None = None) -> str:
-    """The id a row is known (and seeded) by: its id column, else its input position, else a hash
-    of its content (rows of a user's dataset without either)."""
+def row_id(row: dict[str, Any], id_key: str | None) -> str:
+    """The id a row of a user's dataset is known (and seeded) by: its id column, else its
+    ``row_index``, else a hash of its content."""
     if id_key is not None and row.get(id_key) is not None:
         return str(row[id_key])
     if row.get("row_index") is not None:
         return str(row["row_index"])
-    if position is not None:
-        return f"#{position}"
     content = json.dumps(row, sort_keys=True, default=str, ensure_ascii=False)
     return "sha1:" + hashlib.sha1(content.encode()).hexdigest()[:16]
 
@@ -165,24 +163,15 @@ class EngineReplica:
         """Build, generate and render ``rows`` (one output row each, in order)."""
         requests = [self.codec.build(self.tokenizer, row, rid) for row, rid in zip(rows, rids, strict=True)]
         valid = [r for r in requests if r.error is None]
+        prompts, params = [], []
+        for r in valid:
+            assert r.token_ids is not None and r.params is not None  # built without error
+            prompts.append(r.token_ids)
+            params.append(r.params)
         by_prefix = self.engine.cfg.admission_order == "prefix"
-        order: Sequence[int] = range(len(valid))
-        if by_prefix and len(valid) > 1:
-            order = prefix_order([r.token_ids or [] for r in valid], self.engine.block_size)
-        leaders: dict[tuple, str] = {}
-        copies: dict[str, str] = {}
-        submit = []
-        for i in order:
-            r = valid[i]
-            assert r.token_ids is not None and r.params is not None
-            key = duplicate_key(r.token_ids, r.params) if by_prefix else None
-            if key is not None and key in leaders:
-                copies[r.rid] = leaders[key]
-                continue
-            if key is not None:
-                leaders[key] = r.rid
-            submit.append((r.rid, r.token_ids, r.params))
-        results = self.loop.run(submit)
+        add, duplicates = admission_plan(prompts, params, self.engine.block_size, by_prefix)
+        copies = {valid[i].rid: valid[j].rid for i, j in duplicates.items()}
+        results = self.loop.run([(valid[i].rid, prompts[i], params[i]) for i in add])
         self.rows_deduplicated += len(copies)
         out_rows = []
         for r in requests:
@@ -204,12 +193,12 @@ class Processor:
     """``processor(dataset) -> dataset``: the input's columns and the output columns, one row per
     input row. Built by ``build_processor``."""
 
-    def __init__(self, cfg: JobConfig, id_column: str | None) -> None:
+    def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        self.id_column = id_column
 
     def __call__(self, dataset):
-        return apply_replicas(dataset, EngineReplica, self.cfg, {"cfg": self.cfg, "id_key": self.id_column})
+        kwargs = {"cfg": self.cfg, "id_key": self.cfg.input.id_column}
+        return apply_replicas(dataset, EngineReplica, self.cfg, kwargs)
 
 
 def apply_replicas(
@@ -306,4 +295,4 @@ def build_processor(
             batch_rows=batch_rows,
         ),
     )
-    return Processor(cfg, id_column)
+    return Processor(cfg)

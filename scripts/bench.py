@@ -401,12 +401,9 @@ def main() -> None:
             else args.model
         )
 
-    first = (
-        {"R": args.deep_model, "L": args.long_model}.get(names[0], args.model)
-        if len(names) == 1
-        else args.model
-    )
-    vocab = AutoConfig.from_pretrained(args.moe_model if names == ["M"] else first).vocab_size
+    # bench-56m, its 32k variant and the MoE model share one vocabulary: read it from the one built
+    built = [p for p in (args.model, args.long_model, args.moe_model) if (Path(p) / "config.json").exists()]
+    vocab = AutoConfig.from_pretrained(built[0]).vocab_size if built else 0  # 0: only R, which has its own
     vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if "R" in names else 49152
     rows = []
     workloads = make_workloads(vocab, names, vocab_deep)

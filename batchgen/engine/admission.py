@@ -76,6 +76,33 @@ def duplicate_key(token_ids: Sequence[int], params: SamplingParams | BeamSearchP
     return (tuple(token_ids), type(params).__name__, repr(params))
 
 
+def admission_plan(
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams | BeamSearchParams],
+    block_size: int,
+    by_prefix: bool = True,
+) -> tuple[list[int], dict[int, int]]:
+    """For a list of requests known in full (``LLM.generate``, a Ray replica's batch): the indices
+    to add to the engine, in admission order (``prefix_order`` when ``by_prefix``, else as given),
+    and the identical deterministic requests computed once (a duplicate's index -> the index
+    computed; only when ``by_prefix``)."""
+    order: Sequence[int] = range(len(prompts))
+    if by_prefix and len(prompts) > 1:
+        order = prefix_order(prompts, block_size)
+    leaders: dict[tuple, int] = {}
+    copies: dict[int, int] = {}
+    add = []
+    for i in order:
+        key = duplicate_key(prompts[i], params[i]) if by_prefix else None
+        if key is not None and key in leaders:
+            copies[i] = leaders[key]
+            continue
+        if key is not None:
+            leaders[key] = i
+        add.append(i)
+    return add, copies
+
+
 @dataclass
 class _Entry(Generic[T]):
     item: T

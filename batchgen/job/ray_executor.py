@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from batchgen.job.config import JobConfig
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.runner import JobInterrupted, JobRunner, StopSignals
+from batchgen.job.rows import input_row_id
+from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRunner, StopSignals, _clock
 from batchgen.job.sink import ShardSink, atomic_write_bytes
 from batchgen.job.source import iter_range, iter_rows, schema_of
 from batchgen.ray_data import EngineReplica, apply_replicas
@@ -66,7 +67,7 @@ def read_units(batch: pa.Table, files: list[str], fmt: str, batch_rows: int, ope
         if position != unit["stop"]:
             raise RuntimeError(
                 f"input unit {unit['unit']} should hold rows {unit['start']}..{unit['stop'] - 1} but the input "
-                f"ended at row {position}; did the input change while the job ran?"
+                f"has no row {position}; did the input change while the job ran?"
             )
         for pos, row in kept:
             out["_unit"].append(unit["unit"])
@@ -88,10 +89,6 @@ class JobReplica(EngineReplica):
         out_fmt = "parquet" if cfg.output.format == "parquet" else "openai"
         self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False)
 
-    def _rid(self, row: dict[str, Any], position: int) -> str:
-        rid = str(position) if self.key is None else row.get(self.key)
-        return f"#{position}" if rid is None else str(rid)  # the local runner's ids, exactly
-
     def __call__(self, batch: pa.Table) -> pa.Table:
         units: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         expected: dict[int, int] = {}
@@ -111,7 +108,9 @@ class JobReplica(EngineReplica):
             t0 = time.perf_counter()
             dedup_before = self.rows_deduplicated
             rows = [row for _, row in items]
-            requests, out_rows = self.generate_rows(rows, [self._rid(row, pos) for pos, row in items])
+            requests, out_rows = self.generate_rows(
+                rows, [input_row_id(row, self.key, pos) for pos, row in items]
+            )
             self.sink.write(out_rows, self.input_schema, index=unit)
             errors = Counter(_error(out) for out in out_rows if out.get("error") is not None)
             failed = sum(errors.values())
@@ -136,6 +135,27 @@ class JobReplica(EngineReplica):
 def _error(row: dict[str, Any]) -> str:
     error = row["error"]
     return str(error.get("message")) if isinstance(error, dict) else str(error)  # dict: the OpenAI format
+
+
+def _task_error(error: BaseException) -> str:
+    """The message of the exception a task raised. Ray carries it only as the text of the remote
+    traceback inside its wrappers (RayTaskError, Ray Data's UserCodeException): its last
+    ``SomeError: message`` line that is not a wrapper's."""
+    found = None
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for line in str(current).splitlines():
+            line = line.strip()
+            if _RAISED.match(line) and not line.startswith(("ray.", "UserCodeException", "RayTaskError")):
+                found = line
+        inner = getattr(current, "cause", None) or current.__cause__
+        current = inner if isinstance(inner, BaseException) else None
+    return found or (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
 
 
 def _generated(row: dict[str, Any]) -> int:
@@ -207,8 +227,7 @@ class RayJobRunner(JobRunner):
             for row in batch:
                 if position >= total:
                     break
-                rid = row.get(key)
-                rid = f"#{position}" if rid is None else str(rid)
+                rid = input_row_id(row, key, position)
                 if rid in seen:
                     skip.setdefault(position // self.cfg.ray.batch_rows, []).append(position)
                 seen.add(rid)
@@ -222,8 +241,9 @@ class RayJobRunner(JobRunner):
         t_start = time.perf_counter()
         total = self._count_input_rows()
         if total is None:
-            raise RuntimeError(
-                f"cannot count the rows of {self.cfg.input.path!r}; the Ray executor needs the count"
+            raise ValueError(
+                f"cannot count the rows of {self.cfg.input.path!r}; the Ray executor needs the count "
+                "to cut the input into units (the local executor does not)"
             )
         rows_before, _ = sink.totals()
         units = self._units(total, sink)
@@ -283,6 +303,13 @@ class RayJobRunner(JobRunner):
                 self._show(bar, report, t_run)
                 if signals.received is not None:
                     break
+        except ray.exceptions.RayError as e:  # a task that failed for good (not a dead actor: retried)
+            rows, _ = sink.totals()
+            self._write_manifest(sink)
+            raise JobIncomplete(
+                f"the Ray job failed: {_task_error(e)}; the {rows} rows written to "
+                f"{self.out_dir} are kept, rerun the same command to resume"
+            ) from e
         finally:
             bar.close()
             if started:
@@ -323,12 +350,6 @@ class RayJobRunner(JobRunner):
         if bar.total and done:
             eta = f", ETA {_clock((bar.total - bar.n) * elapsed / done)}"
         bar.set_postfix_str(f"{report.generated_tokens} tokens, {rate:.0f} tok/s{eta}", refresh=True)
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
 def _combine(engines: dict[str, dict]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine.sampler import splitmix64
+from batchgen.job.config import JobConfig
 from batchgen.outputs import RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
@@ -23,6 +24,13 @@ class Request:
     chat: bool = False
 
 
+def input_row_id(row: dict[str, Any], key: str | None, position: int) -> str:
+    """A job row's id: ``str(row[key])`` (``key``: the id column, or ``custom_id`` for OpenAI batch
+    input), its input position when there is no id column, ``#POSITION`` when the row lacks the id."""
+    rid = str(position) if key is None else row.get(key)
+    return f"#{position}" if rid is None else str(rid)
+
+
 def stable_seed(seed: int, row_id: str) -> int:
     h = splitmix64(seed & (2**64 - 1))
     for byte in row_id.encode():
@@ -34,7 +42,7 @@ class RowCodec:
     """Builds requests from input rows (prompt or chat messages, per-row parameters, the row's own
     seed) and output rows from finished requests, for one job config."""
 
-    def __init__(self, cfg, openai_in: bool) -> None:
+    def __init__(self, cfg: JobConfig, openai_in: bool) -> None:
         self.cfg = cfg
         self.openai_in = openai_in
 

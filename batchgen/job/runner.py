@@ -33,7 +33,7 @@ from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.rows import Request, RowCodec
+from batchgen.job.rows import Request, RowCodec, input_row_id
 from batchgen.job.sink import ShardSink, atomic_write_bytes
 from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
 from batchgen.outputs import RequestOutput
@@ -98,7 +98,6 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-
 def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(old) | set(new)):
@@ -108,7 +107,6 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
-
 
 
 class JobRunner:
@@ -210,9 +208,7 @@ class JobRunner:
                     counts["rows_read"] += 1
                     if not self.openai_in:
                         row["row_index"] = pos  # every output row names its input position
-                    rid = str(pos) if key is None else row.get(key)
-                    # a row without an id (a malformed line) is known by its position
-                    rid = f"#{pos}" if rid is None else str(rid)
+                    rid = input_row_id(row, key, pos)  # a row without an id (a malformed line): its position
                     if rid in done:
                         counts["skipped_done"] += 1
                         continue

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.job.config import ConfigError, JobConfig, detect_format, input_files, load_job_config
+from batchgen.job.rows import input_row_id
 from batchgen.job.sink import atomic_write_bytes, shard_ids
 from batchgen.job.source import iter_rows
 
@@ -98,8 +99,7 @@ def expected_ids(cfg: JobConfig) -> list[str]:
         for row in batch:
             if limit is not None and position >= limit:
                 return list(ids)
-            rid = str(position) if key is None else row.get(key)
-            ids[f"#{position}" if rid is None else str(rid)] = None
+            ids[input_row_id(row, key, position)] = None
             position += 1
     return list(ids)
 

@@ -20,7 +20,7 @@ import ray
 
 from batchgen.job.config import load_job_config
 from batchgen.job.ray_executor import RayJobRunner
-from batchgen.job.runner import JobRunner
+from batchgen.job.runner import JobIncomplete, JobRunner
 from batchgen.ray_data import build_processor
 from tests.job.helpers import ROOT, write_config
 
@@ -157,6 +157,23 @@ def test_the_processor_adds_the_output_columns_to_a_users_dataset(ray_cluster, j
         build_processor(llama_dir, generation={"temperature": -2.0})
     with pytest.raises(ValueError, match="exactly one of prompt_column or messages_column"):
         build_processor(llama_dir, prompt_column=None)
+
+
+def test_a_unit_that_cannot_be_read_ends_the_job_with_one_clear_error(ray_cluster, job, monkeypatch):
+    """The input has fewer rows than counted (it shrank after the count): the last unit's read
+    fails, the job ends with one line (JobIncomplete: exit 1 from the CLI) naming the cause, and a
+    rerun completes the output."""
+    tmp, config, want = job
+    out = tmp / "out-short"
+    monkeypatch.setattr(RayJobRunner, "_count_input_rows", lambda self: N + 5)
+    with pytest.raises(JobIncomplete, match=r"RuntimeError: input unit \d+ should hold rows .* has no row 4[0-2];.*rows written to") as e:
+        RayJobRunner(ray_cfg(config, out)).run()
+    assert "Traceback" not in str(e.value) and "\n" not in str(e.value)
+    kept = len(by_id(out))
+    assert f"the {kept} rows written" in str(e.value)
+    monkeypatch.undo()  # the input as it is: the rerun completes what the failed run left
+    RayJobRunner(ray_cfg(config, out)).run()
+    assert_same_rows(by_id(out), want)
 
 
 def test_ray_settings_are_checked_with_the_config(job):
