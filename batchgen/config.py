@@ -74,8 +74,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.kv_cache_memory_gb <= 0:
             raise bad("kv_cache_memory_gb", "> 0")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise bad("attention_backend", "one of auto, torch, triton")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise bad("attention_backend", "one of auto, torch, cpu, triton")
         if self.linear_backend not in ("auto", "onednn", "torch"):
             raise bad("linear_backend", "one of auto, onednn, torch")
         if self.preemption_mode not in ("auto", "recompute", "swap"):

@@ -9,6 +9,8 @@ from kernels.paged_attention import paged_attention
 
 
 class TritonAttention:
+    decode_rows = False  # the per-token layout carries the decode rows
+
     def __init__(self) -> None:
         self.seconds = 0.0  # not measured: device work is asynchronous
 

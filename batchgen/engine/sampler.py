@@ -15,6 +15,7 @@ on the CPU those passes, not the arithmetic, are the cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -116,24 +117,34 @@ def _block_sums(probs: torch.Tensor) -> torch.Tensor:
     return sums.double()
 
 
-def _draw(probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse-CDF draw of one index per row of unnormalized ``probs`` [rows, vocab], without a
-    full-vocabulary cumulative sum: block sums locate the block, a short cumsum the index."""
-    rows, vocab = probs.shape
+def _draw(
+    probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None = None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse-CDF draw of one index per row of unnormalized ``probs`` [rows, vocab] (or per
+    ``rows`` of it, whose ``block_sums`` are then given), without a full-vocabulary cumulative sum:
+    block sums locate the block, a short cumsum the index."""
+    vocab = probs.shape[1]
     block_cdf = (_block_sums(probs) if block_sums is None else block_sums).cumsum(dim=-1)
     target = u * block_cdf[:, -1]
     b = torch.searchsorted(block_cdf, target[:, None]).clamp_(max=block_cdf.shape[1] - 1)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target[:, None]))
     # the chosen block of each row (the last one may be short: pad it with zeros)
     cols = b * _BLOCK + torch.arange(_BLOCK, device=probs.device)[None, :]
-    inner = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    cols_in = cols.clamp(max=vocab - 1)
+    inner = probs.gather(1, cols_in) if rows is None else probs[rows[:, None], cols_in]
+    inner = inner.masked_fill_(cols >= vocab, 0.0)
     j = torch.searchsorted(inner.double().cumsum(dim=-1), (target[:, None] - before)).clamp_(max=_BLOCK - 1)
     idx = (b * _BLOCK + j).squeeze(1)
     return idx.clamp_(max=vocab - 1)
 
 
 def _sample_top_p_by_rejection(
-    probs: torch.Tensor, rows: list[SampleRow], top_p: torch.Tensor, rounds: int = 4
+    probs: torch.Tensor,
+    rows: list[SampleRow],
+    top_p: torch.Tensor,
+    sums: torch.Tensor | None = None,
+    fused: ModuleType | None = None,
+    rounds: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from the full distribution (unnormalized ``probs``) and accept a token iff it lies in
     the nucleus (the mass of strictly more likely tokens is below ``top_p``): accepted draws follow
@@ -143,21 +154,26 @@ def _sample_top_p_by_rejection(
     dev = probs.device
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     pending = torch.arange(n, device=dev)
-    sums = _block_sums(probs)
+    sums = _block_sums(probs) if sums is None else sums
     total = sums.sum(dim=-1)
     for attempt in range(rounds):
         if pending.numel() == 0:
             break
         first = attempt == 0
-        sub = probs if first else probs[pending]
         p_rows = pending.tolist()
         u = uniforms([rows[i].seed for i in p_rows], [rows[i].step * 8 + attempt for i in p_rows]).to(dev)
-        tok = _draw(sub, u, sums if first else sums[pending])
-        p_tok = sub.gather(1, tok[:, None])
-        # mass of strictly more likely tokens: sum(relu(p - p_tok)) + p_tok * count(p > p_tok),
-        # the count as the sum of the signs (comparisons into bool tensors are several times slower)
-        excess = (sub - p_tok).relu_()
-        above = excess.sum(dim=-1).double() + p_tok.squeeze(1).double() * excess.sign_().sum(dim=-1).double()
+        if fused is not None:  # no copies of the pending rows; one fused pass for the mass above
+            tok = _draw(probs, u, sums if first else sums[pending], None if first else pending)
+            p_tok = probs[pending, tok]
+            above = fused.mass_above(probs, pending, p_tok)
+        else:
+            sub = probs if first else probs[pending]
+            tok = _draw(sub, u, sums if first else sums[pending])
+            p_tok = sub.gather(1, tok[:, None])
+            # sum(relu(p - p_tok)) + p_tok * count(p > p_tok), the count as the sum of the signs
+            # (comparisons into bool tensors are several times slower)
+            excess = (sub - p_tok).relu_()
+            above = excess.sum(dim=-1).double() + p_tok.squeeze(1).double() * excess.sign_().sum(dim=-1).double()
         ok = above < top_p[pending].double() * total[pending]
         tokens[pending[ok]] = tok[ok]
         pending = pending[~ok]
@@ -187,14 +203,42 @@ def _sample_sorted(
     return order.gather(1, pick[:, None]).squeeze(1)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def fused_kernels() -> ModuleType | None:
+    """``kernels.cpu_sampling`` where the compiled CPU kernels build, else None (torch code only)."""
+    try:
+        from kernels import cpu, cpu_sampling  # noqa: PLC0415
+
+        cpu.load()
+    except (ImportError, RuntimeError):
+        return None
+    return cpu_sampling
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` [rows, vocab] (float32): blocked tokens and penalties
     applied, greedy rows by argmax, the others drawn from their tempered, truncated distribution;
-    with the raw model log-probability of each pick (and the top ones where asked)."""
+    with the raw model log-probability of each pick (and the top ones where asked).
+
+    ``fused``: the full-vocabulary passes on the compiled CPU kernels (``kernels.cpu_sampling``);
+    None: where they build and the logits are float32 on the CPU. The torch code is the reference."""
     x = _adjusted_logits(logits, rows)
     greedy_rows = [r.params.temperature == 0 for r in rows]
     temps = [r.params.temperature or 1.0 for r in rows]
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
+    kernels = None
+    if fused or (fused is None and logits.device.type == "cpu" and logits.dtype == torch.float32):
+        kernels = fused_kernels()
+        if kernels is None and fused:
+            raise RuntimeError("the compiled CPU kernels are not available here")
+    if kernels is not None:
+        inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
+        probs, sums, lse = kernels.tempered_softmax(x, logits, inv_temp, _BLOCK)
+        if not all(greedy_rows):
+            drawn = _draw_rows(probs, rows, tokens, sums, kernels)
+            tokens = torch.where(torch.tensor(greedy_rows), tokens, drawn)
+        # log p(token) = logit - logsumexp(logits): exact, nothing underflows
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
     # Fused softmax kernels: several times faster than exp / sum passes of our own on the CPU.
     probs = raw_probs = None
     if not all(greedy_rows):
@@ -234,15 +278,23 @@ def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return x
 
 
-def _draw_rows(probs: torch.Tensor, rows: list[SampleRow], tokens: torch.Tensor) -> torch.Tensor:
+def _draw_rows(
+    probs: torch.Tensor,
+    rows: list[SampleRow],
+    tokens: torch.Tensor,
+    sums: torch.Tensor | None = None,
+    fused: ModuleType | None = None,
+) -> torch.Tensor:
     """One draw per non-greedy row from ``probs`` after min-p, top-k and top-p (greedy rows keep
-    ``tokens``): plain draws, top-p by rejection, and a sort only for top-k and rejected rows."""
+    ``tokens``): plain draws, top-p by rejection, and a sort only for top-k and rejected rows.
+    ``sums``: the block sums of ``probs`` where known; ``fused``: the compiled kernels."""
     n, dev = len(rows), probs.device
     greedy_rows = [r.params.temperature == 0 for r in rows]
     min_p = [r.params.min_p for r in rows]
     if any(min_p):
         mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
         probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
+        sums = None
     top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
     top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
     plain = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p >= 1]
@@ -251,13 +303,17 @@ def _draw_rows(probs: torch.Tensor, rows: list[SampleRow], tokens: torch.Tensor)
     sampled = tokens.clone()
     if plain:
         u = uniforms([rows[i].seed for i in plain], [rows[i].step * 8 for i in plain]).to(dev)
-        sampled[plain] = _draw(probs if len(plain) == n else probs[plain], u)
+        everyone = len(plain) == n
+        part = None if sums is None else sums if everyone else sums[plain]
+        sampled[plain] = _draw(probs if everyone else probs[plain], u, part)
     if nucleus:
         everyone = len(nucleus) == n
         tok, left = _sample_top_p_by_rejection(
             probs if everyone else probs[nucleus],
             [rows[i] for i in nucleus],
             top_p if everyone else top_p[nucleus],
+            None if sums is None else sums if everyone else sums[nucleus],
+            fused,
         )
         sampled[nucleus] = tok
         with_k += [nucleus[i] for i in left.tolist()]
@@ -277,6 +333,12 @@ def _logprobs(
     if tiny:
         exact = torch.log_softmax(logits[tiny], dim=-1).gather(1, tokens[tiny][:, None]).squeeze(1)
         chosen[tiny] = exact
+    return chosen, _top_logprobs(logits, tokens, chosen, rows)
+
+
+def _top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow]
+) -> list[dict[int, float] | None]:
     top: list[dict[int, float] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
@@ -285,7 +347,7 @@ def _logprobs(
         )
         for i, entry in zip(want, entries, strict=True):
             top[i] = entry
-    return chosen, top
+    return top
 
 
 def logprob_entries(

@@ -15,6 +15,7 @@ head_dim]`` per layer. A backend implements ``forward`` for one layer; ``TorchAt
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +57,9 @@ class AttentionMetadata:
     token_ctx: torch.Tensor | None = None  # [T] long: positions each token attends to (position + 1)
     max_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Decode rows one by one, for backends with ``decode_rows`` (the compiled CPU kernel):
+    decode_tables: torch.Tensor | None = None  # [num_decode, W] long block tables
+    decode_context: torch.Tensor | None = None  # [num_decode] long: keys each decode row attends to
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class LayerAttention:
 
 class AttentionBackend(Protocol):
     seconds: float  # time spent in ``forward`` where the host can measure it
+    decode_rows: bool  # decode rows as per-row tables (``decode_tables``), not ``decode_groups``
 
     def forward(
         self,
@@ -125,6 +130,8 @@ class TorchAttention:
     """Reference backend in plain torch: gathers blocks and computes attention with matmuls.
     The caches are head-major: [kv_heads, num_blocks, block_size, head_dim].
     ``seconds`` accumulates the time spent here (host time: exact on CPU)."""
+
+    decode_rows = False  # decode rows come as ``decode_groups``
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -214,7 +221,50 @@ class TorchAttention:
         return torch.matmul(p, values).view(h, n, -1).transpose(0, 1)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+class CpuAttention(TorchAttention):
+    """The torch backend with its decode rows on the compiled CPU kernel
+    (``kernels.cpu_attention.paged_decode``): each row's keys and values read in place from the
+    paged caches, one online softmax, no gathered copies. The runner gives decode rows as per-row
+    block tables (``decode_rows``), not shared-prefix groups; prefill chunks run as in the torch
+    backend."""
+
+    decode_rows = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kernels.cpu_attention import load, paged_decode  # noqa: PLC0415
+
+        load()  # builds the library on first use; KernelUnavailable where it cannot
+        self._paged_decode = paged_decode
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
+        t0 = time.perf_counter()
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode
+        out = torch.empty_like(q)
+        if nd:  # the kernel writes the decode rows of ``out`` in place
+            self._paged_decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_tables,
+                meta.decode_context,
+                layer.scale,
+                layer.window,
+                layer.softcap,
+                layer.sinks,
+                out[:nd],
+            )
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def make_backend(name: str, device: torch.device, shape: CacheShape) -> AttentionBackend:
+    """The backend ``name`` asks for; ``"auto"``: Triton on CUDA, the compiled CPU kernel on the
+    CPU where it builds and takes the model's shapes, else the torch backend."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from kernels.backend import TritonAttention  # noqa: PLC0415
@@ -223,4 +273,30 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
                 raise ValueError(f"attention_backend='triton' needs the triton package: {e}") from e
         else:
             return TritonAttention()
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from kernels.cpu_attention import KernelUnavailable, supports  # noqa: PLC0415
+
+        why = "it runs on the CPU only" if device.type != "cpu" else supports(
+            shape.dtype, shape.heads, shape.kv_heads, shape.head_dim, shape.block_size
+        )
+        if why is None:
+            try:
+                return CpuAttention()
+            except KernelUnavailable as e:
+                why = str(e)
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu' cannot run here: {why}")
+        warnings.warn(f"the compiled CPU attention is not used ({why}); using the torch backend", stacklevel=2)
     return TorchAttention()
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a backend needs to know of the model to say whether it can run it."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+

@@ -19,6 +19,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.model.attention import (
     AttentionMetadata,
+    CacheShape,
     DecodeGroups,
     PrefillChunk,
     TorchAttention,
@@ -95,7 +96,12 @@ class ModelRunner:
         self.model = DecoderModel(
             hf_config, cfg.model, self.device, self.dtype, max_model_len, linear_backend=cfg.linear_backend
         )
-        self.backend = make_backend(cfg.attention_backend, self.device)
+        m = self.model
+        self.backend = make_backend(
+            cfg.attention_backend,
+            self.device,
+            CacheShape(self.dtype, m.num_heads, m.num_kv_heads, m.head_dim, cfg.block_size),
+        )
         self.times = RunnerTimes()
         # The Triton backend reads the batch per token; the torch backend per decode group / prefill.
         self.per_token_layout = not isinstance(self.backend, TorchAttention)
@@ -109,7 +115,6 @@ class ModelRunner:
         # One block past the pool, never handed out and kept zeroed: padding entries of block
         # tables and the padding rows of CUDA-graph steps point at it (vLLM's null block).
         self.null_block = self.num_blocks
-        m = self.model
         self.kv_cache = torch.empty(
             (m.num_layers, 2, m.num_kv_heads, self.num_blocks + 1, self.block_size, m.head_dim),
             dtype=self.dtype,
@@ -302,7 +307,10 @@ class ModelRunner:
         bt_t, slots_t, input_ids, pos_t = self.staging(lay.tables, lay.slots, lay.ids, lay.positions)
         meta = AttentionMetadata(slot_mapping=slots_t, num_decode=lay.num_decode)
         nd = lay.num_decode
-        if nd:
+        if nd and self.backend.decode_rows:
+            meta.decode_tables = bt_t[:nd]
+            meta.decode_context = torch.from_numpy(lay.starts[:nd] + 1).to(self.device)
+        elif nd:
             meta.decode_groups = self._decode_groups(lay.tables[:nd], lay.starts[:nd] + 1)
         for row in range(nd, len(lay.order)):
             s = lay.order[row]

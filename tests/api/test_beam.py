@@ -59,10 +59,14 @@ PENALTIES = [-0.5, 0.5, 1.0, 2.0]
 EARLY = [True, False, "never"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_beam_matches_transformers(beam_model_dirs, arch):
+# "auto" is the compiled CPU attention where it builds; the torch backend (beams attended as
+# shared-prefix decode groups) on one architecture
+@pytest.mark.parametrize(
+    "arch, backend", [("llama", "auto"), ("mistral", "auto"), ("qwen2", "auto"), ("qwen3", "auto"), ("qwen2", "torch")]
+)
+def test_beam_matches_transformers(beam_model_dirs, arch, backend):
     path = beam_model_dirs[arch]
-    llm = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8)
+    llm = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8, attention_backend=backend)
     combos = list(itertools.product(WIDTHS, PENALTIES, EARLY))
     if arch != "llama":  # the full matrix on one architecture, a spread on the others
         combos = combos[arch_offset(arch) :: 3]

@@ -1,6 +1,7 @@
 """Greedy tokens equal a transformers forward-pass greedy decode, for every architecture, with
 prefix caching on and off, a KV pool small enough to preempt, a tiny token budget (chunked
-prefill), block sizes 8 / 16 / 32, both linear backends, and swap preemption."""
+prefill), block sizes 8 / 16 / 32, both linear backends, both CPU attention backends, and swap
+preemption."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ VARIANTS = {
     "block8": dict(block_size=8),
     "block32": dict(block_size=32, max_num_batched_tokens=24),
     "linear-torch": dict(linear_backend="torch"),  # F.linear instead of oneDNN's packed GEMM
+    # the torch attention backend (decode rows in shared-prefix groups) instead of the CPU kernel
+    "attention-torch": dict(attention_backend="torch"),
     "swap": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space_gb=0.01),
     # a one-block host pool: most preemptions fall back to recompute
     "swap-host-full": dict(num_kv_blocks=12, block_size=8, preemption_mode="swap", swap_space_gb=1e-9),

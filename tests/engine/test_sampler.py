@@ -1,17 +1,29 @@
 """The sampler on synthetic logits: top-p by rejection gives exactly the renormalized nucleus,
-top-k / min-p truncate, and a row's draw depends only on its seed and position."""
+top-k / min-p truncate, and a row's draw depends only on its seed and position; each on the torch
+code and on the compiled CPU kernels (``fused``), and the kernels against the torch code."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from batchgen.engine.sampler import SampleRow, sample, uniform, uniforms
+from batchgen.engine.sampler import SampleRow, fused_kernels, sample, uniform, uniforms
 from batchgen.params import SamplingParams
+from kernels import cpu
+
+# Only a machine without any C++ compiler runs the torch code alone (a failed build fails below).
+FUSED = [False, True] if cpu.compiler() is not None else [False]
 
 
-def draw(logits_row: torch.Tensor, params: SamplingParams, n: int, step: int = 0) -> torch.Tensor:
-    rows = [SampleRow(params, seed, step, [], 0, []) for seed in range(n)]
-    return torch.tensor(sample(logits_row.expand(n, -1).contiguous(), rows).tokens)
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_the_kernels_build_where_there_is_a_compiler():
+    cpu.load()  # KernelUnavailable carries the compiler's error
+    assert fused_kernels() is not None
+
+
+def draw(logits_row: torch.Tensor, params: SamplingParams, n: int, fused: bool) -> torch.Tensor:
+    rows = [SampleRow(params, seed, 0, [], 0, []) for seed in range(n)]
+    return torch.tensor(sample(logits_row.expand(n, -1).contiguous(), rows, fused=fused).tokens)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -22,37 +34,40 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return out / out.sum()
 
 
-def test_top_p_by_rejection_is_the_renormalized_nucleus():
+@pytest.mark.parametrize("fused", FUSED)
+def test_top_p_by_rejection_is_the_renormalized_nucleus(fused):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(40, generator=gen) * 1.5
     for top_p, temp in ((0.5, 1.0), (0.9, 0.7)):
         expected = nucleus(torch.softmax(logits / temp, -1), top_p)
         n = 6000
-        tokens = draw(logits, SamplingParams(temperature=temp, top_p=top_p), n)
+        tokens = draw(logits, SamplingParams(temperature=temp, top_p=top_p), n, fused)
         freq = torch.bincount(tokens, minlength=40).float() / n
         assert (freq[expected == 0] == 0).all(), "a token outside the nucleus was drawn"
         tol = 4 * (expected * (1 - expected) / n).sqrt() + 2e-3
         assert ((freq - expected).abs() <= tol).all()
 
 
-def test_top_k_min_p_and_greedy():
+@pytest.mark.parametrize("fused", FUSED)
+def test_top_k_min_p_and_greedy(fused):
     logits = torch.tensor([3.0, 2.9, 2.8, -1.0, -2.0, 0.5])
-    assert set(draw(logits, SamplingParams(temperature=1.0, top_k=2), 300).tolist()) == {0, 1}
-    got = set(draw(logits, SamplingParams(temperature=1.0, min_p=0.5), 300).tolist())
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_k=2), 300, fused).tolist()) == {0, 1}
+    got = set(draw(logits, SamplingParams(temperature=1.0, min_p=0.5), 300, fused).tolist())
     assert got == {0, 1, 2}  # p(5) / p(0) is about 0.08 < 0.5
-    assert set(draw(logits, SamplingParams(temperature=0), 5).tolist()) == {0}
+    assert set(draw(logits, SamplingParams(temperature=0), 5, fused).tolist()) == {0}
 
 
-def test_a_row_depends_only_on_its_seed_and_step():
+@pytest.mark.parametrize("fused", FUSED)
+def test_a_row_depends_only_on_its_seed_and_step(fused):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 300, generator=gen)
     p = SamplingParams(temperature=1.0, top_p=0.8)
     rows = [SampleRow(p, 100 + i, 3, [], 0, []) for i in range(8)]
-    full = sample(logits, rows).tokens
-    alone = [sample(logits[i : i + 1], [rows[i]]).tokens[0] for i in range(8)]
+    full = sample(logits, rows, fused=fused).tokens
+    alone = [sample(logits[i : i + 1], [rows[i]], fused=fused).tokens[0] for i in range(8)]
     assert full == alone
     moved = [SampleRow(p, 100 + i, 4, [], 0, []) for i in range(8)]
-    assert sample(logits, moved).tokens != full
+    assert sample(logits, moved, fused=fused).tokens != full
 
 
 def test_vectorized_uniforms_equal_the_scalar_hash():
@@ -61,13 +76,66 @@ def test_vectorized_uniforms_equal_the_scalar_hash():
     assert uniforms(seeds, steps).tolist() == [uniform(s, c) for s, c in zip(seeds, steps)]
 
 
-def test_logprob_of_a_token_whose_probability_underflows():
+@pytest.mark.parametrize("fused", FUSED)
+def test_logprob_of_a_token_whose_probability_underflows(fused):
     """A high temperature samples tokens whose raw probability is below float32's range; their
     reported log-probability is still the exact raw one, never -inf."""
     logits = torch.tensor([0.0, -200.0, -150.0, -120.0])
     rows = [SampleRow(SamplingParams(temperature=1000.0), seed, 0, [], 0, []) for seed in range(64)]
-    result = sample(logits.expand(64, -1).contiguous(), rows)
+    result = sample(logits.expand(64, -1).contiguous(), rows, fused=fused)
     exact = torch.log_softmax(logits.double(), -1)
     assert set(result.tokens) > {0}, "the test needs draws of the unlikely tokens"
     for tok, lp in zip(result.tokens, result.logprobs):
         assert abs(lp - float(exact[tok])) < 1e-3
+
+
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_fused_passes_equal_the_torch_ones():
+    """tempered_softmax and mass_above against torch on a vocabulary that is not a multiple of 16,
+    with blocked (-inf) tokens and penalized logits that differ from the raw ones."""
+    from kernels.cpu_sampling import mass_above, tempered_softmax
+
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randn(6, 1000 + 7, generator=gen) * 4
+    adjusted = raw.clone()
+    adjusted[:, 3] = float("-inf")
+    adjusted[2] -= 2 * (torch.arange(1007) % 5 == 0)
+    inv_temp = torch.tensor([1.0, 1.25, 0.5, 3.0, 1.0, 10.0])
+    for x in (raw, adjusted):
+        probs, sums, lse = tempered_softmax(x, raw, inv_temp, 128)
+        expected = torch.softmax(x.double() * inv_temp.double()[:, None], -1)
+        assert torch.allclose(probs.double() / probs.double().sum(-1, keepdim=True), expected, rtol=1e-5, atol=1e-12)
+        assert probs.amax(-1).tolist() == [1.0] * 6  # unnormalized: the most likely token is 1
+        full = torch.nn.functional.pad(probs.double(), (0, 8 * 128 + 128 - 1007)).view(6, -1, 128).sum(-1)
+        assert torch.allclose(sums, full[:, : sums.shape[1]], rtol=1e-5)
+        assert sums.shape[1] == 8
+        assert torch.allclose(lse.double(), torch.logsumexp(raw.double(), -1), atol=1e-5)
+    rows = torch.tensor([4, 0, 4])
+    threshold = probs[rows, torch.tensor([10, 20, 999])]
+    expected = [float(torch.where(probs[r] > t, probs[r].double(), 0.0).sum()) for r, t in zip(rows, threshold)]
+    assert torch.allclose(mass_above(probs, rows, threshold), torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_fused_sampler_draws_what_the_torch_one_draws():
+    """Same uniforms, probabilities equal to float32 rounding: the same tokens (a draw landing
+    within 1e-6 of a CDF step could differ; none does here) and log-probabilities, over mixed
+    greedy / plain / top-p / top-k / min-p rows with logprobs and a blocked token."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(64, 5000, generator=gen) * 2
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=20, logprobs=3),
+        SamplingParams(temperature=0.9, min_p=0.05, top_p=0.95),
+    ]
+    rows = [SampleRow(kinds[i % len(kinds)], 1000 + i, i, [], 0, [7] if i % 3 == 0 else []) for i in range(64)]
+    a, b = sample(logits, rows, fused=True), sample(logits, rows, fused=False)
+    assert a.tokens == b.tokens
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    for ea, eb in zip(a.top_logprobs, b.top_logprobs, strict=True):
+        assert (ea is None) == (eb is None)
+        if ea is not None:
+            assert ea.keys() == eb.keys()
+            assert all(ea[t].rank == eb[t].rank and abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)

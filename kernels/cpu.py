@@ -1,0 +1,137 @@
+"""The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_sampling.cpp``:
+the sampler's fused full-vocabulary passes), built into one shared library at first use.
+
+The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
+Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
+name keyed by the sources, the flags, the compiler and the CPU, and loaded with ctypes. It links
+OpenMP by soname, so it shares torch's OpenMP runtime (one thread pool). Where it cannot be built,
+``load`` raises ``KernelUnavailable`` and callers keep their torch code, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp"]
+HEADERS = [HERE / "cpu_simd.h"]
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# q, k, v, tables, width, context lengths, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
+# window, softcap, sinks, out, threads
+_DECODE = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _P, _INT]
+SIGNATURES = {
+    "paged_decode_f32": (_INT, _DECODE),
+    "paged_decode_bf16": (_INT, _DECODE),
+    # adjusted, raw, rows, vocab, inv_temp, block, probs, block_sums, raw_lse, threads
+    "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
+    # probs, vocab, row_index, n, threshold, out, threads
+    "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernels cannot be built or loaded here (no compiler, a failed compile)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATCHGEN_CACHE")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    cmd = [compiler, *flags, *map(str, SOURCES), "-o", str(tmp)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(f"{' '.join(cmd)}: {e}") from e
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent first uses each compile, one file wins
+
+
+_lib: ctypes.CDLL | None = None
+_error: KernelUnavailable | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The compiled library, built on first use; ``KernelUnavailable`` (remembered) where it cannot be."""
+    global _lib, _error
+    if _lib is not None:
+        return _lib
+    if _error is not None:
+        raise _error
+    try:
+        _lib = _build_and_load()
+    except KernelUnavailable as e:
+        _error = e
+        raise
+    return _lib
+
+
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def compiler() -> str | None:
+    """``$CXX``, else the first of g++, c++, clang++ on PATH; None when there is none."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    for name in names:
+        if shutil.which(name):
+            return name
+    return None
+
+
+def _build_and_load() -> ctypes.CDLL:
+    found = compiler()
+    if found is None:
+        raise KernelUnavailable("no C++ compiler on PATH (g++, c++ or clang++; or set CXX)")
+    compiler_name: str = found
+    version = subprocess.run([compiler_name, "--version"], capture_output=True, text=True).stdout
+    text = [p.read_text() for p in SOURCES + HEADERS]
+    last_error = KernelUnavailable("no build attempted")
+    for flags in ([*FLAGS, "-march=native"], FLAGS):  # -march=native: AVX-512 where the CPU has it
+        key = hashlib.sha256("\0".join([*text, *flags, version, _cpu_flags(), platform.machine()]).encode())
+        path = cache_dir() / f"batchgen_cpu-{key.hexdigest()[:16]}.so"
+        try:
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _compile(compiler_name, flags, path)
+            lib = ctypes.CDLL(str(path))
+        except KernelUnavailable as e:
+            last_error = e
+            continue
+        except OSError as e:
+            last_error = KernelUnavailable(f"{path}: {e}")
+            continue
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        return lib
+    raise last_error

@@ -1,0 +1,84 @@
+"""Decode attention on the compiled CPU kernel (``cpu_attention.cpp``, built by ``kernels.cpu``) and
+the attention backend that uses it.
+
+The kernel reads each decode row's keys and values in place from the paged caches and runs an
+online softmax, instead of the torch path's gathered copies, masked score matrices and separate
+softmax. Prefill chunks stay on the torch path (``scaled_dot_product_attention``, already
+compute-bound). ``batchgen.model.attention.CpuAttention`` is the backend that uses it;
+``attention_backend="auto"`` picks it on the CPU where it builds and takes the model's shapes
+(``supports``), and keeps the torch backend otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import KernelUnavailable, load
+
+__all__ = ["KernelUnavailable", "paged_decode", "supports"]
+
+MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
+_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> str | None:
+    """Why the kernel cannot run a model's decode attention, or None when it can (and it builds)."""
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} (float32 and bfloat16 only)"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return f"{heads} query heads over {kv_heads} kv heads (at most {MAX_GROUP} per kv head)"
+    if head_dim > MAX_DIM or block_size > MAX_BLOCK:
+        return f"head_dim {head_dim} / block_size {block_size} (at most {MAX_DIM} / {MAX_BLOCK})"
+    return None
+
+
+def paged_decode(
+    q: torch.Tensor,  # [rows, heads, dim]
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # [rows, width] int64
+    context_lens: torch.Tensor,  # [rows] int64: keys each row attends to, its own included
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads] float32
+    out: torch.Tensor | None = None,  # [rows, heads, dim], contiguous: written in place
+) -> torch.Tensor:
+    """Decode attention of one query token per row over its paged context (see the module)."""
+    rows, heads, dim = q.shape
+    kvh, num_blocks, block_size, _ = k_cache.shape
+    fn = getattr(load(), _DTYPES[k_cache.dtype])
+    q = q.contiguous()
+    tables = tables.contiguous()
+    context_lens = context_lens.contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype == context_lens.dtype == torch.int64
+    rc = fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        context_lens.data_ptr(),
+        rows,
+        heads,
+        kvh,
+        dim,
+        num_blocks,
+        block_size,
+        scale,
+        window or 0,
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(
+            f"cpu paged_decode: unsupported shape (heads {heads}, kv_heads {kvh}, head_dim {dim}, "
+            f"block_size {block_size})"
+        )
+    return out

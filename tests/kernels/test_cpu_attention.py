@@ -1,0 +1,107 @@
+"""The compiled CPU decode attention (``kernels/cpu_attention.cpp``) against the torch reference:
+both of its code paths (the 16-key vector path for head_dim 64 / 128 with at most 8 query heads
+per kv head and block sizes that are multiples of 16, and the general loop for the rest), float32
+and bfloat16 caches, contexts ending on and off block boundaries, sliding windows, soft-capping and
+sinks; and an engine on it against the torch backend on the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.model.attention import CacheShape, CpuAttention, make_backend
+from kernels import cpu
+from kernels.cpu_attention import paged_decode, supports
+from kernels.reference import paged_attention_ref
+
+# Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
+if cpu.compiler() is None:
+    pytest.skip("no C++ compiler: the engine keeps the torch backend", allow_module_level=True)
+
+
+def decode_batch(gen, contexts, kvh, h, d, bs, dtype):
+    """One query per row over a random (non-contiguous) block table of ``contexts[i]`` keys."""
+    width = max(-(-c // bs) for c in contexts)
+    num_blocks = width * len(contexts) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[: width * len(contexts)].view(len(contexts), width).clone()
+    q = torch.randn((len(contexts), h, d), generator=gen).to(dtype)
+    kc = torch.randn((kvh, num_blocks, bs, d), generator=gen).to(dtype)
+    vc = torch.randn((kvh, num_blocks, bs, d), generator=gen).to(dtype)
+    return q, kc, vc, tables, torch.tensor(contexts)
+
+
+def check(q, kc, vc, tables, ctx, scale, tol, **kw):
+    ref = paged_attention_ref(q, kc, vc, tables, torch.arange(len(ctx)), ctx, scale, **kw)
+    out = paged_decode(q, kc, vc, tables, ctx, scale, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, err
+
+
+# (kv_heads, heads, head_dim, block_size): the vector path, then shapes the general loop takes
+SHAPES = [
+    (2, 8, 64, 16),
+    (1, 8, 128, 32),
+    (3, 9, 64, 16),  # 3 query heads per kv head (workload R's model)
+    (4, 4, 64, 48),
+    (1, 12, 64, 16),  # 12 per kv head: general loop
+    (2, 4, 48, 16),  # head_dim 48: general loop
+    (2, 8, 64, 8),  # block size 8: general loop
+]
+
+
+@pytest.mark.parametrize("kvh, h, d, bs", SHAPES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_matches_reference(kvh, h, d, bs, dtype, tol):
+    gen = torch.Generator().manual_seed(kvh * 1000 + h * 100 + d + bs)
+    # one key, block boundaries either side, a context of many blocks ending mid-chunk
+    contexts = [1, bs - 1, bs, bs + 1, 2 * bs + 17, 5 * bs + 3]
+    q, kc, vc, tables, ctx = decode_batch(gen, contexts, kvh, h, d, bs, dtype)
+    check(3 * q, kc, vc, tables, ctx, d**-0.5, tol)  # large scores: the running max must rescale
+
+
+@pytest.mark.parametrize("d", [64, 32])  # vector path, general loop
+@pytest.mark.parametrize("softcap, use_sinks, window", [(5.0, False, None), (None, True, 7), (2.0, True, 21)])
+def test_window_softcap_and_sinks(d, softcap, use_sinks, window):
+    gen = torch.Generator().manual_seed(d + int(use_sinks))
+    kvh, h, bs = 2, 4, 16
+    q, kc, vc, tables, ctx = decode_batch(gen, [3, 16, 30, 57, 80], kvh, h, d, bs, torch.float32)
+    sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
+    check(3 * q, kc, vc, tables, ctx, 0.5, 2e-5, window=window, softcap=softcap, sinks=sinks)
+
+
+def test_refuses_what_it_cannot_run():
+    assert supports(torch.float32, 8, 2, 64, 16) is None
+    assert "float16" in supports(torch.float16, 8, 2, 64, 16)
+    assert "64 query heads" in supports(torch.float32, 64, 1, 64, 16)
+    assert "head_dim 512" in supports(torch.float32, 8, 2, 512, 16)
+
+
+def test_engine_on_the_kernel_equals_the_torch_backend(tmp_path):
+    """n=4 samples and shared prefixes (the torch backend attends them as decode groups; the
+    kernel row by row): same tokens, log-probabilities within float32 rounding."""
+    from batchgen.tiny import make_model
+
+    path = str(make_model(tmp_path / "m", "llama", seed=3, hidden_size=256, num_heads=4, num_kv_heads=1))
+    prompts = [[5 + i for i in range(40)] + [j] for j in range(3)] + [[7] * 9]
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.9, max_tokens=12, seed=1, ignore_eos=True, logprobs=0)
+    results = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(path, dtype="float32", device="cpu", attention_backend=backend, block_size=16)
+        assert isinstance(llm.engine.runner.backend, CpuAttention) == (backend == "cpu")
+        results[backend] = llm.generate(prompts, params)
+    for a, b in zip(results["cpu"], results["torch"], strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3
+
+
+def test_backend_choice():
+    shape = CacheShape(torch.float16, 8, 2, 64, 16)
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: dtype torch.float16"):
+        make_backend("cpu", torch.device("cpu"), shape)
+    with pytest.warns(UserWarning, match="compiled CPU attention is not used"):
+        assert type(make_backend("auto", torch.device("cpu"), shape)).__name__ == "TorchAttention"
