@@ -34,6 +34,14 @@ WORDS = "the a cat dog fox sat on mat quick brown jumps over lazy river stone li
 ENGINE = {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048, "seed": 0}
 
 
+ENGINE_KEYS = ["steps", "num_preemptions", "prompt_tokens_computed", "prefill_s", "decode_s", "sampler_s"]
+BUSY_KEYS = ["schedule_s", "model_s", "postprocess_s", "output_s"]
+
+
+def _fmt(x: object) -> str:
+    return f"{x:.1f}" if isinstance(x, float) else str(x)
+
+
 def make_rows(n: int) -> list[dict]:
     rng = np.random.default_rng(0)
     lens = np.clip(np.round(rng.lognormal(np.log(128), 0.75, size=n)), 8, 1024).astype(int)
@@ -70,7 +78,7 @@ def run_generate(model: str, rows: list[dict], threads: int) -> dict:
     outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"wall_s": wall, "generated_tokens": gen}
+    return {"wall_s": wall, "generated_tokens": gen, "engine": llm.stats()}
 
 
 def main() -> None:
@@ -128,6 +136,17 @@ def main() -> None:
     print(f"LLM.generate:        {gen_rate:8.1f} tok/s ({gen['wall_s']:.1f} s, engine load included)")
     print(f"python -m batchgen job: {job_rate:8.1f} tok/s ({report['wall_s']:.1f} s, engine load included)")
     print(f"job / generate: {job_rate / gen_rate:.3f} (goal >= 0.95)")
+    # Where a difference comes from: the engine's own work (steps, preemptions, time in its parts)
+    # or the wall time outside it (reading, tokenizing, writing, waiting).
+    print("| | generate | job |")
+    print("| --- | --- | --- |")
+    sides = (gen["engine"], report["engine"])
+    for key in ENGINE_KEYS:
+        print(f"| {key} | " + " | ".join(_fmt(side.get(key)) for side in sides) + " |")
+    busy = [sum(side.get(k, 0.0) for k in BUSY_KEYS) for side in sides]
+    walls = (gen["wall_s"], report["wall_s"])
+    print(f"| engine busy s ({' + '.join(BUSY_KEYS)}) | {busy[0]:.1f} | {busy[1]:.1f} |")
+    print(f"| wall s outside the engine | {walls[0] - busy[0]:.1f} | {walls[1] - busy[1]:.1f} |")
     print(
         json.dumps(
             {

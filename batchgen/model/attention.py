@@ -208,10 +208,18 @@ class TorchAttention:
             if window is not None:
                 mask &= kpos > qpos - window
         if layer.softcap is None and layer.sinks is None:
+            # 4-D inputs (a batch of one): torch's CPU flash-attention kernel takes only those;
+            # 3-D ones run the unfused math path, 4-6x slower here and holding every score at once
             o = F.scaled_dot_product_attention(
-                qh, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=kvh != h
+                qh[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=kvh != h,
             )
-            return o.transpose(0, 1)
+            return o[0].transpose(0, 1)
         assert mask is not None  # built above whenever soft-capping or sinks are on
         g = h // kvh
         s = torch.matmul(qh.reshape(kvh, g * n, -1), keys.transpose(-1, -2)).view(kvh, g, n, ctx)
