@@ -108,10 +108,9 @@ def compiler() -> str | None:
 
 
 def _build_and_load() -> ctypes.CDLL:
-    found = compiler()
-    if found is None:
+    compiler_name = compiler()
+    if compiler_name is None:
         raise KernelUnavailable("no C++ compiler on PATH (g++, c++ or clang++; or set CXX)")
-    compiler_name: str = found
     version = subprocess.run([compiler_name, "--version"], capture_output=True, text=True).stdout
     text = [p.read_text() for p in SOURCES + HEADERS]
     last_error = KernelUnavailable("no build attempted")

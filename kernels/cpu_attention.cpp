@@ -22,9 +22,8 @@ constexpr int kMaxBlock = 256;  // block_size
 // The general loop, for any shape within the limits above: one key at a time.
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t group,
-            int64_t dim_rt, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window,
+            int64_t dim, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window,
             float softcap, const float* sinks, T* out) {
-  const int64_t dim = dim_rt;
   alignas(64) float qf[kMaxGroup][kMaxDim];
   alignas(64) float acc[kMaxGroup][kMaxDim];
   alignas(64) float s[kMaxBlock];

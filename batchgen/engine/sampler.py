@@ -14,6 +14,7 @@ on the CPU those passes, not the arithmetic, are the cost.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -203,6 +204,7 @@ def _sample_sorted(
     return order.gather(1, pick[:, None]).squeeze(1)
 
 
+@functools.cache  # decided once per process: sample() asks every step
 def fused_kernels() -> ModuleType | None:
     """``kernels.cpu_sampling`` where the compiled CPU kernels build, else None (torch code only)."""
     try:

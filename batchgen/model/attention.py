@@ -142,14 +142,15 @@ class TorchAttention:
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, layer)
+            self._decode(q[:nd], k_cache, v_cache, meta, layer, out[:nd])
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
         self.seconds += time.perf_counter() - t0
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, layer):
+    def _decode(self, q, k_cache, v_cache, meta, layer, out_rows):
+        """Attention of the decode rows ``q`` [nd, heads, d], written into ``out_rows``."""
         nd, h, d = q.shape
         kvh = k_cache.shape[0]
         g = h // kvh
@@ -175,7 +176,7 @@ class TorchAttention:
             p = _softmax(s, layer, sinks).view(kvh, groups, rows * g, length)
             o = torch.matmul(p, values).view(kvh, groups, rows, g, d)
             out[:, gb.row_index[gb.row_valid]] = o[:, gb.row_valid]
-        return out.transpose(0, 1).reshape(nd, h, d)
+        out_rows.copy_(out.transpose(0, 1).reshape(nd, h, d))
 
     def _prefill(self, q, k_cache, v_cache, chunk, layer):
         n, ctx = chunk.num_tokens, chunk.context_len
@@ -245,29 +246,19 @@ class CpuAttention(TorchAttention):
         load()  # builds the library on first use; KernelUnavailable where it cannot
         self._paged_decode = paged_decode
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, layer):
-        t0 = time.perf_counter()
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decode
-        out = torch.empty_like(q)
-        if nd:  # the kernel writes the decode rows of ``out`` in place
-            self._paged_decode(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_tables,
-                meta.decode_context,
-                layer.scale,
-                layer.window,
-                layer.softcap,
-                layer.sinks,
-                out[:nd],
-            )
-        for chunk in meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
-        self.seconds += time.perf_counter() - t0
-        return out
+    def _decode(self, q, k_cache, v_cache, meta, layer, out_rows):
+        self._paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_tables,
+            meta.decode_context,
+            layer.scale,
+            layer.window,
+            layer.softcap,
+            layer.sinks,
+            out_rows,  # written in place
+        )
 
 
 def make_backend(name: str, device: torch.device, shape: CacheShape) -> AttentionBackend:
