@@ -442,7 +442,9 @@ class _MainLoop:
         """Fill the lookahead window from the reader, then move rows from it into the engine;
         rows that failed to build (or to validate) go straight to the writer with their error."""
         while self.reading and not self.window.full:
-            idle = not self.in_flight and not self.engine.has_unfinished() and not len(self.window)
+            # With nothing in the engine, wait for the reader (0.5 s at most per row) rather than
+            # admit from a window that is still filling: the first batch then sees the lookahead too.
+            idle = not self.in_flight and not self.engine.has_unfinished()
             try:
                 item = self.req_q.get(block=idle, timeout=0.5)
             except queue.Empty:
