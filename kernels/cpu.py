@@ -30,6 +30,8 @@ _DECODE = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _P, _
 SIGNATURES = {
     "paged_decode_f32": (_INT, _DECODE),
     "paged_decode_bf16": (_INT, _DECODE),
+    "paged_decode_bf16_widened": (_INT, _DECODE),
+    "bf16_dot_products": (_INT, []),
     # adjusted, raw, rows, vocab, inv_temp, block, probs, block_sums, raw_lse, threads
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads

@@ -11,6 +11,10 @@
 
 #include "cpu_simd.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace batchgen;
@@ -106,19 +110,23 @@ inline v16 reduce16(const v16* t) {
 }
 
 // The fast path, for head_dim 64 or 128, at most 8 query heads per kv head and block sizes that
-// are multiples of 16: 16 keys at a time (a chunk never crosses a block). Per chunk and query head: 16 partial-sum vectors reduced together into one vector of 16
-// scores, lanes outside the row's keys set to -inf, an online-softmax update on the vector; then
+// are multiples of 16: 16 keys at a time (a chunk never crosses a block). Per chunk and query head:
+// 16 partial-sum vectors reduced together into one vector of 16 scores, lanes outside the row's
+// keys set to -inf. The online softmax steps over tiles of 64 keys (four chunks): one maximum and
+// one rescale of the accumulators per tile, the running sum kept as a vector and summed once at
+// the end (per chunk, that serial chain of reductions and exponentials bounded the kernel). Then
 // each value vector is loaded once for all the group's heads, whose accumulators stay in registers.
 template <typename T, int G, int N>  // N: head_dim / 16
 void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
                 int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window, float softcap,
                 const float* sinks, T* out) {
   constexpr int D = 16 * N;
+  constexpr int C = 4;  // chunks of 16 keys per tile
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - INFINITY;
-  v16 qf[G][N], acc[G][N];
-  alignas(64) float p[G][16];
-  float m[G], l[G];
+  v16 qf[G][N], acc[G][N], lsum[G];
+  alignas(64) v16 sc[G][C];  // a tile's scores, then its softmax weights
+  float m[G];
   const float q_scale = softcap > 0 ? 1.0f : scale;
   for (int h = 0; h < G; ++h) {
     for (int c = 0; c < N; ++c) {
@@ -126,67 +134,211 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       acc[h][c] = v16{};
     }
     m[h] = sinks ? sinks[h] : -INFINITY;
-    l[h] = sinks ? 1.0f : 0.0f;
+    lsum[h] = v16{};
+    lsum[h][0] = sinks ? 1.0f : 0.0f;  // a sink: one more logit whose value vector is zero
   }
   const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
   const int64_t head_base = kv_head * num_blocks * block_size * D;
-  for (int64_t pos = start / 16 * 16; pos < ctx; pos += 16) {  // key positions pos .. pos + 15
-    const int64_t b = pos / block_size;
-    const int64_t base = head_base + (table[b] * block_size + pos % block_size) * D;
-    const T* kb = k_cache + base;
-    const T* vb = v_cache + base;
-    const int k0 = start > pos ? static_cast<int>(start - pos) : 0;
-    const int k1 = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
-    const auto outside = (iota < k0) | (iota >= k1);
-    // bfloat16 keys are widened once per chunk, not once per query head
-    alignas(64) float widened[sizeof(T) == 2 ? 16 * D : 1];
-    const float* keys = reinterpret_cast<const float*>(kb);
-    if constexpr (sizeof(T) == 2) {
-      for (int k = 0; k < 16; ++k)
-        for (int c = 0; c < N; ++c) {
-          const v16 x = load16(kb + k * D + c * 16);
-          std::memcpy(widened + k * D + c * 16, &x, sizeof x);
+  for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
+    const int chunks = ctx - tile >= 16 * C ? C : static_cast<int>((ctx - tile + 15) / 16);
+    const T* vb[C];
+    int k0[C], k1[C];
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int64_t pos = tile + 16 * ch;  // key positions pos .. pos + 15
+      const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+      const T* kb = k_cache + base;
+      vb[ch] = v_cache + base;
+      k0[ch] = start > pos ? static_cast<int>(start - pos) : 0;
+      k1[ch] = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
+      const auto outside = (iota < k0[ch]) | (iota >= k1[ch]);
+      // bfloat16 keys are widened once per chunk, not once per query head
+      alignas(64) float widened[sizeof(T) == 2 ? 16 * D : 1];
+      const float* keys = reinterpret_cast<const float*>(kb);
+      if constexpr (sizeof(T) == 2) {
+        for (int k = 0; k < 16; ++k)
+          for (int c = 0; c < N; ++c) {
+            const v16 x = load16(kb + k * D + c * 16);
+            std::memcpy(widened + k * D + c * 16, &x, sizeof x);
+          }
+        keys = widened;
+      }
+      for (int h = 0; h < G; ++h) {
+        v16 t[16];
+        for (int k = 0; k < 16; ++k) {
+          const float* kk = keys + k * D;
+          t[k] = qf[h][0] * load16(kk);
+          for (int c = 1; c < N; ++c) t[k] += qf[h][c] * load16(kk + c * 16);
         }
-      keys = widened;
+        v16 x = reduce16(t);
+        if (softcap > 0)
+          for (int i = 0; i < 16; ++i) x[i] = std::tanh(x[i] * scale / softcap) * softcap;
+        sc[h][ch] = outside ? minus_inf : x;
+      }
     }
     for (int h = 0; h < G; ++h) {
-      v16 t[16];
-      for (int k = 0; k < 16; ++k) {
-        const float* kk = keys + k * D;
-        t[k] = qf[h][0] * load16(kk);
-        for (int c = 1; c < N; ++c) t[k] += qf[h][c] * load16(kk + c * 16);
+      v16 top = sc[h][0];
+      for (int ch = 1; ch < chunks; ++ch) top = sc[h][ch] > top ? sc[h][ch] : top;
+      const float tile_max = hmax(top);
+      const float mx = tile_max > m[h] ? tile_max : m[h];
+      if (mx != m[h]) {
+        const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mx);
+        lsum[h] *= corr;
+        for (int c = 0; c < N; ++c) acc[h][c] *= corr;
+        m[h] = mx;
       }
-      v16 sc = reduce16(t);
-      if (softcap > 0)
-        for (int i = 0; i < 16; ++i) sc[i] = std::tanh(sc[i] * scale / softcap) * softcap;
-      sc = outside ? minus_inf : sc;
-      const float chunk_max = hmax(sc);
-      const float mx = chunk_max > m[h] ? chunk_max : m[h];
-      const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mx);
-      const v16 e = exp16(sc - mx);
-      l[h] = l[h] * corr + hsum(e);
-      m[h] = mx;
-      std::memcpy(p[h], &e, sizeof e);
-      for (int c = 0; c < N; ++c) acc[h][c] *= corr;
+      for (int ch = 0; ch < chunks; ++ch) {
+        sc[h][ch] = exp16(sc[h][ch] - mx);  // 0 outside the row's keys
+        lsum[h] += sc[h][ch];
+      }
     }
-    for (int k = k0; k < k1; ++k) {
-      v16 vk[N];
-      for (int c = 0; c < N; ++c) vk[c] = load16(vb + k * D + c * 16);
-      for (int h = 0; h < G; ++h)
-        for (int c = 0; c < N; ++c) acc[h][c] += p[h][k] * vk[c];
-    }
+    for (int ch = 0; ch < chunks; ++ch)
+      for (int k = k0[ch]; k < k1[ch]; ++k) {
+        v16 vk[N];
+        for (int c = 0; c < N; ++c) vk[c] = load16(vb[ch] + k * D + c * 16);
+        for (int h = 0; h < G; ++h)
+          for (int c = 0; c < N; ++c) acc[h][c] += sc[h][ch][k] * vk[c];
+      }
   }
   for (int h = 0; h < G; ++h) {
-    const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;
+    const float l = hsum(lsum[h]);
+    const float inv = l > 0 ? 1.0f / l : 0.0f;
     for (int c = 0; c < N; ++c)
       for (int i = 0; i < 16; ++i) store(out + h * D + c * 16 + i, acc[h][c][i] * inv);
   }
 }
 
-template <typename T, int G>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BATCHGEN_BF16_DOT 1
+
+// The fast path for bfloat16 caches on CPUs with AVX-512 BF16: both products on the bf16 dot
+// instruction (pairs of bf16 products summed into float32 lanes), no widening of keys or values.
+// Scores: query (bf16, as it comes) x key pairs along head_dim. Weighted sum: the softmax weights
+// rounded to bf16 (as torch's flash attention does for reduced dtypes) x value pairs along the keys,
+// two keys' values interleaved by 16-bit unpacks; the accumulators then hold each 32-dim piece in
+// the unpack order, put back in place at the end. Softmax statistics stay float32.
+//
+// The online softmax steps over tiles of 64 keys (four 16-key chunks, each within one block): one
+// maximum, one rescale of the accumulators per tile, and the running sum kept as a vector, summed
+// once at the end. Per 16 keys, the serial chain of reductions and exponentials was the kernel's
+// bound, not the products or the memory.
+template <int G, int N>  // N: head_dim / 16 (even)
+void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                     int64_t ctx, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale,
+                     int64_t window, float softcap, const float* sinks, uint16_t* out) {
+  constexpr int D = 16 * N, P = N / 2;  // P: 32-element pieces of a head
+  constexpr int C = 4;                  // chunks of 16 keys per tile
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 minus_inf = v16{} - INFINITY;
+  __m512bh qb[G][P];
+  v16 acc[G][N];  // acc[h][2c + s], lane i: dim 32c + 8 * (i / 4) + 4s + i % 4
+  v16 lsum[G];    // running softmax denominators, by lane
+  alignas(64) uint32_t pw[G][C][8];  // a tile's weights as bf16, in pairs of keys
+  float m[G];
+  const float q_scale = softcap > 0 ? 1.0f : scale;
+  for (int h = 0; h < G; ++h) {
+    for (int c = 0; c < P; ++c) qb[h][c] = (__m512bh)_mm512_loadu_si512(q + h * D + c * 32);
+    for (int c = 0; c < N; ++c) acc[h][c] = v16{};
+    m[h] = sinks ? sinks[h] : -INFINITY;
+    lsum[h] = v16{};
+    lsum[h][0] = sinks ? 1.0f : 0.0f;
+  }
+  const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+  const int64_t head_base = kv_head * num_blocks * block_size * D;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
+    const int chunks = ctx - tile >= 16 * C ? C : static_cast<int>((ctx - tile + 15) / 16);
+    const uint16_t* kb[C];
+    const uint16_t* vb[C];
+    int k0[C], k1[C];
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int64_t pos = tile + 16 * ch;  // key positions pos .. pos + 15
+      const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+      kb[ch] = k_cache + base;
+      vb[ch] = v_cache + base;
+      k0[ch] = start > pos ? static_cast<int>(start - pos) : 0;
+      k1[ch] = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
+    }
+    for (int h = 0; h < G; ++h) {
+      v16 sc[C];
+      v16 top = minus_inf;
+      for (int ch = 0; ch < chunks; ++ch) {
+        v16 t[16];
+        for (int k = 0; k < 16; ++k) {
+          __m512 s = _mm512_setzero_ps();
+          for (int c = 0; c < P; ++c)
+            s = _mm512_dpbf16_ps(s, qb[h][c], (__m512bh)_mm512_loadu_si512(kb[ch] + k * D + c * 32));
+          t[k] = (v16)s;
+        }
+        v16 x = reduce16(t) * q_scale;
+        if (softcap > 0)
+          for (int i = 0; i < 16; ++i) x[i] = std::tanh(x[i] * scale / softcap) * softcap;
+        sc[ch] = (iota < k0[ch]) | (iota >= k1[ch]) ? minus_inf : x;
+        top = sc[ch] > top ? sc[ch] : top;
+      }
+      const float tile_max = hmax(top);
+      const float mx = tile_max > m[h] ? tile_max : m[h];
+      if (mx != m[h]) {
+        const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mx);
+        lsum[h] *= corr;
+        for (int c = 0; c < N; ++c) acc[h][c] *= corr;
+        m[h] = mx;
+      }
+      for (int ch = 0; ch < chunks; ++ch) {
+        const v16 e = exp16(sc[ch] - mx);  // 0 outside the row's keys
+        lsum[h] += e;
+        const __m256bh eb = _mm512_cvtneps_pbh((__m512)e);
+        std::memcpy(pw[h][ch], &eb, sizeof eb);
+      }
+    }
+    // keys k, k + 1 together; a key outside the row's range has weight 0 and its value slot may
+    // hold anything (never written), so it is read as zeros
+    for (int ch = 0; ch < chunks; ++ch) {
+      for (int k = k0[ch] & ~1; k < k1[ch]; k += 2) {
+        const uint16_t* v0 = vb[ch] + k * D;
+        for (int c = 0; c < P; ++c) {
+          const __m512i x = k >= k0[ch] ? _mm512_loadu_si512(v0 + c * 32) : zero;
+          const __m512i y = k + 1 < k1[ch] ? _mm512_loadu_si512(v0 + D + c * 32) : zero;
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+          const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          for (int h = 0; h < G; ++h) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[h][ch][k / 2]));
+            acc[h][2 * c] = (v16)_mm512_dpbf16_ps((__m512)acc[h][2 * c], lo, w);
+            acc[h][2 * c + 1] = (v16)_mm512_dpbf16_ps((__m512)acc[h][2 * c + 1], hi, w);
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    const float l = hsum(lsum[h]);
+    const float inv = l > 0 ? 1.0f / l : 0.0f;
+    for (int c = 0; c < P; ++c)
+      for (int s = 0; s < 2; ++s)
+        for (int i = 0; i < 16; ++i)
+          store(out + h * D + 32 * c + 8 * (i / 4) + 4 * s + i % 4, acc[h][2 * c + s][i] * inv);
+  }
+}
+#endif
+
+// Dot: bfloat16 products on the bf16 dot instruction where it was compiled in
+template <typename T, int G, bool Dot>
 bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                   int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
                   const float* sinks, T* out) {
+#ifdef BATCHGEN_BF16_DOT
+  if constexpr (Dot && sizeof(T) == 2) {
+    switch (dim) {
+      case 64:
+        attend_bf16_dot<G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+        return true;
+      case 128:
+        attend_bf16_dot<G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+        return true;
+      default:
+        return false;
+    }
+  }
+#endif
   switch (dim) {
     case 64:
       attend_vec<T, G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
@@ -199,14 +351,14 @@ bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t
   }
 }
 
-template <typename T>
+template <typename T, bool Dot>
 bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
                  const float* sinks, T* out) {
   if (block_size % 16) return false;
 #define BATCHGEN_GROUP(g) \
   case g:                 \
-    return dispatch_dim<T, g>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+    return dispatch_dim<T, g, Dot>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
   switch (group) {
     BATCHGEN_GROUP(1)
     BATCHGEN_GROUP(2)
@@ -222,7 +374,7 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 #undef BATCHGEN_GROUP
 }
 
-template <typename T>
+template <typename T, bool Dot = true>
 int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
            const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
            int64_t block_size, float scale, int64_t window, float softcap, const float* sinks, T* out,
@@ -236,7 +388,7 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
     const int64_t off = (row * heads + kvh * group) * dim;
     const float* sk = sinks ? sinks + kvh * group : nullptr;
     const int64_t* table = tables + row * table_width;
-    if (!attend_fast<T>(group, dim, q + off, k_cache, v_cache, table, ctx[row], num_blocks, block_size, kvh, scale,
+    if (!attend_fast<T, Dot>(group, dim, q + off, k_cache, v_cache, table, ctx[row], num_blocks, block_size, kvh, scale,
                         window, softcap, sk, out + off))
       attend<T>(q + off, k_cache, v_cache, table, ctx[row], group, dim, num_blocks, block_size, kvh, scale,
                    window, softcap, sk, out + off);
@@ -265,5 +417,24 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
                       const float* sinks, uint16_t* out, int threads) {
   return decode<uint16_t>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
                           window, softcap, sinks, out, threads);
+}
+
+// paged_decode_bf16 with bf16 values widened to float32 and multiplied there: the path of CPUs
+// without AVX-512 BF16, kept callable where the dot path is compiled in, to test both.
+int paged_decode_bf16_widened(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* tables,
+                              int64_t width, const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads,
+                              int64_t dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
+                              float softcap, const float* sinks, uint16_t* out, int threads) {
+  return decode<uint16_t, false>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size,
+                                 scale, window, softcap, sinks, out, threads);
+}
+
+// 1 where paged_decode_bf16 runs on the bf16 dot instruction, else 0
+int bf16_dot_products() {
+#ifdef BATCHGEN_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
 }
 }

@@ -15,7 +15,7 @@ import torch
 
 from kernels.cpu import KernelUnavailable, load
 
-__all__ = ["KernelUnavailable", "paged_decode", "supports"]
+__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "supports"]
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -32,6 +32,15 @@ def supports(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block
     return None
 
 
+def bf16_dot_products() -> bool:
+    """Whether bfloat16 caches run on the CPU's bf16 dot instruction (AVX-512 BF16, compiled in
+    where the build targets a CPU that has it): scores from bf16 query x key pairs, the weighted
+    sum from the softmax weights rounded to bf16 (as torch's flash attention does for bf16) x
+    value pairs, float32 accumulation and softmax statistics. Elsewhere bf16 is widened to
+    float32 before every product."""
+    return bool(load().bf16_dot_products())
+
+
 def paged_decode(
     q: torch.Tensor,  # [rows, heads, dim]
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
@@ -43,11 +52,15 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [heads] float32
     out: torch.Tensor | None = None,  # [rows, heads, dim], contiguous: written in place
+    bf16_dot: bool = True,
 ) -> torch.Tensor:
-    """Decode attention of one query token per row over its paged context (see the module)."""
+    """Decode attention of one query token per row over its paged context (see the module).
+    ``bf16_dot=False`` widens bfloat16 to float32 before every product even where the bf16 dot
+    instruction is compiled in (``bf16_dot_products``): the path other CPUs run, for tests."""
     rows, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
-    fn = getattr(load(), _DTYPES[k_cache.dtype])
+    name = _DTYPES[k_cache.dtype]
+    fn = getattr(load(), name if bf16_dot or k_cache.dtype != torch.bfloat16 else "paged_decode_bf16_widened")
     q = q.contiguous()
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()
@@ -55,7 +68,11 @@ def paged_decode(
     if out is None:
         out = torch.empty_like(q)
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype == context_lens.dtype == torch.int64
+    assert (
+        k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and tables.dtype == context_lens.dtype == torch.int64
+    )
     rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),

@@ -12,7 +12,7 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.model.attention import CacheShape, CpuAttention, make_backend
 from kernels import cpu
-from kernels.cpu_attention import paged_decode, supports
+from kernels.cpu_attention import bf16_dot_products, paged_decode, supports
 from kernels.reference import paged_attention_ref
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
@@ -32,11 +32,17 @@ def decode_batch(gen, contexts, kvh, h, d, bs, dtype):
     return q, kc, vc, tables, torch.tensor(contexts)
 
 
-def check(q, kc, vc, tables, ctx, scale, tol, **kw):
+def check(q, kc, vc, tables, ctx, scale, tol, bf16_dot=True, **kw):
     ref = paged_attention_ref(q, kc, vc, tables, torch.arange(len(ctx)), ctx, scale, **kw)
-    out = paged_decode(q, kc, vc, tables, ctx, scale, **kw)
+    out = paged_decode(q, kc, vc, tables, ctx, scale, bf16_dot=bf16_dot, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
+    if q.dtype == torch.bfloat16:
+        # the output's rounding to bf16 (half a unit in the last place, 2^-9 relative), and on the
+        # dot path each softmax weight's rounding to bf16 (2^-9 relative, |error| <= 2^-9 max|v|
+        # ~ 8e-3 for these values): a few units in the last place relative, 1e-2 absolute near 0
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=1e-2)
+        return
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol, err
 
@@ -53,24 +59,35 @@ SHAPES = [
 ]
 
 
+# bfloat16 twice: on the bf16 dot instruction where it is compiled in, and widened to float32
+DTYPES = [(torch.float32, 2e-5, True), (torch.bfloat16, 2**-6, True), (torch.bfloat16, 2**-6, False)]
+DTYPE_IDS = ["float32", "bfloat16", "bfloat16-widened"]
+
+
+def test_bf16_dot_instruction_is_used_where_the_cpu_has_it():
+    if "avx512_bf16" in cpu._cpu_flags().split():
+        assert bf16_dot_products()
+
+
 @pytest.mark.parametrize("kvh, h, d, bs", SHAPES)
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_matches_reference(kvh, h, d, bs, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, bf16_dot", DTYPES, ids=DTYPE_IDS)
+def test_matches_reference(kvh, h, d, bs, dtype, tol, bf16_dot):
     gen = torch.Generator().manual_seed(kvh * 1000 + h * 100 + d + bs)
-    # one key, block boundaries either side, a context of many blocks ending mid-chunk
-    contexts = [1, bs - 1, bs, bs + 1, 2 * bs + 17, 5 * bs + 3]
+    # one key, block boundaries either side, contexts of many blocks (and 64-key tiles) ending mid-chunk
+    contexts = [1, bs - 1, bs, bs + 1, 2 * bs + 17, 5 * bs + 3, 300]
     q, kc, vc, tables, ctx = decode_batch(gen, contexts, kvh, h, d, bs, dtype)
-    check(3 * q, kc, vc, tables, ctx, d**-0.5, tol)  # large scores: the running max must rescale
+    check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot)  # large scores: the running max must rescale
 
 
 @pytest.mark.parametrize("d", [64, 32])  # vector path, general loop
 @pytest.mark.parametrize("softcap, use_sinks, window", [(5.0, False, None), (None, True, 7), (2.0, True, 21)])
-def test_window_softcap_and_sinks(d, softcap, use_sinks, window):
+@pytest.mark.parametrize("dtype, tol, bf16_dot", DTYPES, ids=DTYPE_IDS)
+def test_window_softcap_and_sinks(d, softcap, use_sinks, window, dtype, tol, bf16_dot):
     gen = torch.Generator().manual_seed(d + int(use_sinks))
     kvh, h, bs = 2, 4, 16
-    q, kc, vc, tables, ctx = decode_batch(gen, [3, 16, 30, 57, 80], kvh, h, d, bs, torch.float32)
+    q, kc, vc, tables, ctx = decode_batch(gen, [3, 16, 30, 57, 80], kvh, h, d, bs, dtype)
     sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
-    check(3 * q, kc, vc, tables, ctx, 0.5, 2e-5, window=window, softcap=softcap, sinks=sinks)
+    check(3 * q, kc, vc, tables, ctx, 0.5, tol, bf16_dot, window=window, softcap=softcap, sinks=sinks)
 
 
 def test_refuses_what_it_cannot_run():
@@ -87,7 +104,9 @@ def test_engine_on_the_kernel_equals_the_torch_backend(tmp_path):
 
     path = str(make_model(tmp_path / "m", "llama", seed=3, hidden_size=256, num_heads=4, num_kv_heads=1))
     prompts = [[5 + i for i in range(40)] + [j] for j in range(3)] + [[7] * 9]
-    params = SamplingParams(n=4, temperature=0.9, top_p=0.9, max_tokens=12, seed=1, ignore_eos=True, logprobs=0)
+    params = SamplingParams(
+        n=4, temperature=0.9, top_p=0.9, max_tokens=12, seed=1, ignore_eos=True, logprobs=0
+    )
     results = {}
     for backend in ("cpu", "torch"):
         llm = LLM(path, dtype="float32", device="cpu", attention_backend=backend, block_size=16)
