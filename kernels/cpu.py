@@ -1,5 +1,6 @@
 """The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_sampling.cpp``:
-the sampler's fused full-vocabulary passes), built into one shared library at first use.
+the sampler's fused full-vocabulary passes; ``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary
+embeddings in one pass each), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
@@ -19,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp"]
+SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_ops.cpp"]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
@@ -36,6 +37,15 @@ SIGNATURES = {
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads
     "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
+    # x, w, rows, dim, eps, out, threads
+    "rms_norm_f32": (None, [_P, _P, _I, _I, _F, _P, _INT]),
+    "rms_norm_bf16": (None, [_P, _P, _I, _I, _F, _P, _INT]),
+    # gate_up, rows, inter, out, threads
+    "silu_mul_f32": (None, [_P, _I, _I, _P, _INT]),
+    "silu_mul_bf16": (None, [_P, _I, _I, _P, _INT]),
+    # x, x token stride, cos, sin, tokens, heads, dim, out, threads
+    "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
+    "rotary_bf16": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
 }
 
 

@@ -56,6 +56,20 @@ inline v16 load16(const uint16_t* p) {
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN
+inline v16 round_bf16(v16 x) {
+  u32x16 bits = reinterpret_cast<u32x16&>(x);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const v16 r = reinterpret_cast<v16&>(bits);
+  return x != x ? x : r;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+inline void store16(uint16_t* p, v16 x) {
+  const v16 r = round_bf16(x);
+  const u16x16 h = __builtin_convertvector(reinterpret_cast<const u32x16&>(r) >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // Horizontal sum and maximum by halving shuffles (four steps, not fifteen dependent scalar ones).
 inline v16 fold(v16 x, int step) {
   static const i32x16 swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};

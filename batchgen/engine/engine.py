@@ -240,7 +240,7 @@ class LLMEngine:
         if sample_rows:
             self._sample([samplers[i] for i in sample_rows], logits[sample_rows] if beam_rows else logits)
         if beam_rows:
-            self._beam([samplers[i] for i in beam_rows], logits[beam_rows])
+            self._beam([samplers[i] for i in beam_rows], logits[beam_rows] if sample_rows else logits)
 
     def _note_prompt_logprobs(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
         """Prompt log-probabilities from one prefill chunk's logits: the row of position t scores

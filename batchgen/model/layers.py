@@ -7,11 +7,28 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+# The compiled CPU kernels for the elementwise steps below (kernels/cpu_ops.py), where they build;
+# the torch code here is their reference and fallback. False: the torch code everywhere.
+FUSED_CPU_OPS = True
+
+
+def fused_cpu_ops(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled elementwise kernels take these tensors (and are switched on)."""
+    if not FUSED_CPU_OPS or tensors[0].device.type != "cpu":
+        return False
+    from kernels import cpu_ops  # noqa: PLC0415
+
+    return cpu_ops.takes(*tensors)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm scaled by ``offset + weight`` (Gemma stores ``weight`` around 0 and scales by
     ``1 + weight``, in float32 before casting back)."""
     dtype = x.dtype
+    if not offset and fused_cpu_ops(x, weight):
+        from kernels import cpu_ops  # noqa: PLC0415
+
+        return cpu_ops.rms_norm(x, weight, eps)
     if offset:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
@@ -117,6 +134,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     dim = cos.shape[-1]
     if dim != x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    if dim % 2 == 0 and x.stride(-1) == 1 and fused_cpu_ops(x, cos, sin):
+        from kernels import cpu_ops  # noqa: PLC0415
+
+        return cpu_ops.rotary(x, cos, sin)
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

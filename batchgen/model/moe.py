@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.linear import Linear
 
 
@@ -39,6 +41,10 @@ def topk_then_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 
 def swiglu(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    if act is F.silu and gate_up.dim() == 2 and fused_cpu_ops(gate_up):
+        from kernels import cpu_ops  # noqa: PLC0415
+
+        return cpu_ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
 

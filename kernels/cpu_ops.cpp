@@ -1,0 +1,121 @@
+// The decoder layer's elementwise steps on the CPU, one pass each where torch takes several
+// operators (and as many temporaries): RMSNorm, the SwiGLU unit and rotary embeddings.
+//
+// Each keeps torch's rounding: in bfloat16 every intermediate that torch rounds to bf16 is
+// rounded here at the same point (the normalized row before the weight, silu(gate) before the
+// product, each product of the rotation before their sum), so results equal the torch code's up
+// to the order of a sum (RMSNorm's mean of squares) and the exponential's last bits.
+// batchgen/model/layers.py's torch code is the reference (tests/model/test_cpu_ops.py).
+
+#include "cpu_simd.h"
+
+using namespace batchgen;
+
+namespace {
+
+inline float round_bf16_1(float x) {
+  uint16_t h;
+  store(&h, x);
+  return load(&h);
+}
+template <typename T>
+inline float rounded(float x) {  // x as a T would hold it
+  return sizeof(T) == 2 ? round_bf16_1(x) : x;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) in float32, rounded to T, times the weight (float32 product,
+// rounded to T): transformers' LlamaRMSNorm.
+template <typename T>
+void rms_norm(const T* x, const T* w, int64_t rows, int64_t dim, float eps, T* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    T* o = out + r * dim;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += load(xr + i) * load(xr + i);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) store(o + i, load(w + i) * rounded<T>(load(xr + i) * inv));
+  }
+}
+
+// silu(a) = a / (1 + exp(-a)), with the exponential of a non-positive argument only
+inline float silu(float a) {
+  const float e = exp_nonpositive(a >= 0 ? -a : a);
+  return (a >= 0 ? a : a * e) / (1.0f + e);
+}
+inline v16 silu16(v16 a) {
+  const auto neg = a < 0;
+  const v16 e = exp16(neg ? a : -a);
+  return (neg ? a * e : a) / (1.0f + e);
+}
+
+// out = silu(gate) * up, gate and up the halves of each row of gate_up [rows, 2 * inter]
+template <typename T>
+void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads) {
+  const int64_t full = inter / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < full; i += 16) {
+      v16 s = silu16(load16(g + i));
+      if constexpr (sizeof(T) == 2) s = round_bf16(s);
+      store16(o + i, s * load16(u + i));
+    }
+    for (int64_t i = full; i < inter; ++i) store(o + i, rounded<T>(silu(load(g + i))) * load(u + i));
+  }
+}
+
+// out[t, h] = x[t, h] * cos[t] + rotate_half(x[t, h]) * sin[t] (each product rounded to T, then
+// the sum); x rows may be strided (a view into the fused qkv output): token stride ``x_stride``,
+// heads contiguous at head_dim apart. out: [tokens, heads, dim] contiguous.
+template <typename T>
+void rotary(const T* x, int64_t x_stride, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t dim,
+            T* out, int threads) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * heads * dim > 65536)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos + t * dim;
+    const T* s = sin + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xh = x + t * x_stride + h * dim;
+      T* o = out + (t * heads + h) * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = load(xh + i), b = load(xh + half + i);
+        store(o + i, rounded<T>(a * load(c + i)) + rounded<T>(-b * load(s + i)));
+        store(o + half + i, rounded<T>(b * load(c + half + i)) + rounded<T>(a * load(s + half + i)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void rms_norm_f32(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out, int threads) {
+  rms_norm<float>(x, w, rows, dim, eps, out, threads);
+}
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t dim, float eps, uint16_t* out,
+                   int threads) {
+  rms_norm<uint16_t>(x, w, rows, dim, eps, out, threads);
+}
+void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out, int threads) {
+  silu_mul<float>(gate_up, rows, inter, out, threads);
+}
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out, int threads) {
+  silu_mul<uint16_t>(gate_up, rows, inter, out, threads);
+}
+void rotary_f32(const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+                int64_t dim, float* out, int threads) {
+  rotary<float>(x, x_stride, cos, sin, tokens, heads, dim, out, threads);
+}
+void rotary_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
+                 int64_t heads, int64_t dim, uint16_t* out, int threads) {
+  rotary<uint16_t>(x, x_stride, cos, sin, tokens, heads, dim, out, threads);
+}
+}

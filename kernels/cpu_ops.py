@@ -1,0 +1,82 @@
+"""The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm,
+SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
+temporaries, with torch's rounding points kept in bfloat16. ``batchgen.model.layers`` uses them on
+the CPU where the library builds (``available``); its torch code is the reference and the fallback."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu import KernelUnavailable, load
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@functools.cache  # decided once per process
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels run on these tensors: CPU, one dtype, float32 or bfloat16."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32."""
+    x = x.contiguous()
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    fn = getattr(load(), "rms_norm_" + _SUFFIX[x.dtype])
+    fn(
+        x.data_ptr(),
+        weight.contiguous().data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [rows, 2 * inter] holding [gate | up]."""
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    fn = getattr(load(), "silu_mul_" + _SUFFIX[gate_up.dtype])
+    fn(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [tokens, heads, dim] (heads contiguous; tokens may be strided,
+    as in a view of the fused qkv output) by ``cos`` / ``sin`` [tokens, dim]: a new contiguous tensor."""
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    fn = getattr(load(), "rotary_" + _SUFFIX[x.dtype])
+    fn(
+        x.data_ptr(),
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        dim,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

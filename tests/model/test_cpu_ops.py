@@ -1,0 +1,114 @@
+"""The compiled elementwise kernels (``kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings)
+against the torch code they replace (``batchgen.model.layers``, ``batchgen.model.moe``), in
+float32 and bfloat16, on contiguous and strided inputs; and an engine with them switched off
+against one with them on.
+
+bfloat16 results must equal torch's bit for bit except where the two round a value that lies
+within float32 noise of a bf16 rounding boundary (a sum taken in another order, the exponential's
+last bits): at most one unit in the last place, on a small share of the elements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen import LLM, SamplingParams
+from batchgen.model import layers
+from batchgen.model.layers import apply_rotary, rms_norm
+from batchgen.model.moe import swiglu
+from kernels import cpu, cpu_ops
+
+if cpu.compiler() is None:
+    pytest.skip("no C++ compiler: the model keeps the torch code", allow_module_level=True)
+
+
+@pytest.fixture
+def torch_code(monkeypatch):
+    """Runs its test's reference calls on the torch code."""
+
+    def reference(fn, *args):
+        monkeypatch.setattr(layers, "FUSED_CPU_OPS", False)
+        try:
+            return fn(*args)
+        finally:
+            monkeypatch.setattr(layers, "FUSED_CPU_OPS", True)
+
+    return reference
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    ulp = 2.0 ** (torch.frexp(want.float()).exponent.float() - 8)  # one bf16 step at each value
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= ulp).all()), float((diff / ulp).max())
+    assert float((diff > 0).float().mean()) < 0.01  # nearly everything identical
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (7, 576), (300, 512)])  # 300 x 512: threaded
+def test_rms_norm(torch_code, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
+    w = (1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype)
+    assert layers.fused_cpu_ops(x, w)
+    assert_close(rms_norm(x, w, 1e-6), torch_code(rms_norm, x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(1, 40), (9, 1536), (100, 1536)])
+def test_swiglu(torch_code, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, -20.0, 0.0, 1e-8, 20.0, 100.0])  # far tails of silu
+    assert_close(swiglu(gate_up, F.silu), torch_code(swiglu, gate_up, F.silu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_rotary_on_a_view_of_the_fused_qkv(torch_code, dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    h, kvh, d = 9, 3, 64
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    qk = qkv[:, : (h + kvh) * d].view(tokens, h + kvh, d)  # strided over tokens
+    angles = torch.rand(tokens, d // 2, generator=gen) * 100
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
+    got = apply_rotary(qk, cos, sin)
+    assert got.is_contiguous()
+    assert_close(got, torch_code(apply_rotary, qk, cos, sin))
+
+
+def test_takes_only_what_it_runs():
+    x = torch.ones(2, 4)
+    assert cpu_ops.takes(x, torch.ones(4))
+    assert not cpu_ops.takes(x.half(), torch.ones(4).half())
+    assert not cpu_ops.takes(x, torch.ones(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_and_without_the_kernels(model_dirs, monkeypatch, dtype):
+    """Same sampled tokens in float32 (log-probabilities within 1e-4); in bfloat16, where a one-step
+    rounding difference can flip a near-tie, the same greedy tokens on most positions."""
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=10, seed=3, ignore_eos=True, logprobs=0)
+    prompts = [[1, 5, 9, 200, 31], [1] + list(range(40, 70))]
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(layers, "FUSED_CPU_OPS", fused)
+        llm = LLM(model_dirs["qwen3"], dtype=dtype, max_num_seqs=8)
+        runs.append(llm.generate(prompts, params))
+    same = total = 0
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            if dtype == "float32":
+                assert x.token_ids == y.token_ids
+                assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+            same += sum(p == q for p, q in zip(x.token_ids, y.token_ids))
+            total += len(x.token_ids)
+    assert same >= 0.75 * total
