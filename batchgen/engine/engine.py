@@ -358,7 +358,10 @@ class LLMEngine:
         for groups in ready.values():
             beams = [b for g in groups for b in g.beam.beams]
             if all(b.seq_id in row_of for b in beams):
-                rows = log_probs[torch.tensor([row_of[b.seq_id] for b in beams])]
+                index = [row_of[b.seq_id] for b in beams]
+                # the step's rows in the beams' order already (the usual case): no copy
+                same = len(index) == log_probs.shape[0] and index == list(range(len(index)))
+                rows = log_probs if same else log_probs[torch.tensor(index)]
             else:
                 rows = torch.stack(
                     [
