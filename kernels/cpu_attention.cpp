@@ -109,6 +109,22 @@ inline v16 reduce16(const v16* t) {
   return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
 }
 
+// The online softmax's step to a new tile of scores for one query head (``top``: the lane-wise
+// maximum of the tile's score vectors): where the running maximum ``m`` moves, the running sums
+// and the accumulators are rescaled to it. Returns the maximum the tile's weights are taken against.
+template <int N>
+inline float rescale_to_tile(v16 top, float& m, v16& lsum, v16 (&acc)[N]) {
+  const float tile_max = hmax(top);
+  const float mx = tile_max > m ? tile_max : m;
+  if (mx != m) {
+    const float corr = m == -INFINITY ? 0.0f : exp_nonpositive(m - mx);
+    lsum *= corr;
+    for (int c = 0; c < N; ++c) acc[c] *= corr;
+    m = mx;
+  }
+  return mx;
+}
+
 // The fast path, for head_dim 64 or 128, at most 8 query heads per kv head and block sizes that
 // are multiples of 16: 16 keys at a time (a chunk never crosses a block). Per chunk and query head:
 // 16 partial-sum vectors reduced together into one vector of 16 scores, lanes outside the row's
@@ -178,14 +194,7 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     for (int h = 0; h < G; ++h) {
       v16 top = sc[h][0];
       for (int ch = 1; ch < chunks; ++ch) top = sc[h][ch] > top ? sc[h][ch] : top;
-      const float tile_max = hmax(top);
-      const float mx = tile_max > m[h] ? tile_max : m[h];
-      if (mx != m[h]) {
-        const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mx);
-        lsum[h] *= corr;
-        for (int c = 0; c < N; ++c) acc[h][c] *= corr;
-        m[h] = mx;
-      }
+      const float mx = rescale_to_tile(top, m[h], lsum[h], acc[h]);
       for (int ch = 0; ch < chunks; ++ch) {
         sc[h][ch] = exp16(sc[h][ch] - mx);  // 0 outside the row's keys
         lsum[h] += sc[h][ch];
@@ -275,14 +284,7 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         sc[ch] = (iota < k0[ch]) | (iota >= k1[ch]) ? minus_inf : x;
         top = sc[ch] > top ? sc[ch] : top;
       }
-      const float tile_max = hmax(top);
-      const float mx = tile_max > m[h] ? tile_max : m[h];
-      if (mx != m[h]) {
-        const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mx);
-        lsum[h] *= corr;
-        for (int c = 0; c < N; ++c) acc[h][c] *= corr;
-        m[h] = mx;
-      }
+      const float mx = rescale_to_tile(top, m[h], lsum[h], acc[h]);
       for (int ch = 0; ch < chunks; ++ch) {
         const v16 e = exp16(sc[ch] - mx);  // 0 outside the row's keys
         lsum[h] += e;

@@ -5,22 +5,11 @@ the CPU where the library builds (``available``); its torch code is the referenc
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels.cpu import KernelUnavailable, load
+from kernels.cpu import available, load
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-@functools.cache  # decided once per process
-def available() -> bool:
-    try:
-        load()
-    except KernelUnavailable:
-        return False
-    return True
 
 
 def takes(*tensors: torch.Tensor) -> bool:
