@@ -125,6 +125,29 @@ inline float rescale_to_tile(v16 top, float& m, v16& lsum, v16 (&acc)[N]) {
   return mx;
 }
 
+// Where a tile of up to four 16-key chunks starting at key position ``tile`` lies: each chunk's
+// offset in the caches (a chunk never crosses a block) and the range [k0, k1) of its 16 keys that
+// the row attends to (from ``start``, the window's first key, to ``ctx``).
+constexpr int kTileChunks = 4;  // 64 keys per tile
+
+struct Tile {
+  int chunks;
+  int64_t base[kTileChunks];
+  int k0[kTileChunks], k1[kTileChunks];
+};
+inline Tile tile_at(int64_t tile, int64_t start, int64_t ctx, const int64_t* table, int64_t head_base,
+                    int64_t block_size, int64_t dim) {
+  Tile t;
+  t.chunks = ctx - tile >= 16 * kTileChunks ? kTileChunks : static_cast<int>((ctx - tile + 15) / 16);
+  for (int ch = 0; ch < t.chunks; ++ch) {
+    const int64_t pos = tile + 16 * ch;  // key positions pos .. pos + 15
+    t.base[ch] = head_base + (table[pos / block_size] * block_size + pos % block_size) * dim;
+    t.k0[ch] = start > pos ? static_cast<int>(start - pos) : 0;
+    t.k1[ch] = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
+  }
+  return t;
+}
+
 // The fast path, for head_dim 64 or 128, at most 8 query heads per kv head and block sizes that
 // are multiples of 16: 16 keys at a time (a chunk never crosses a block). Per chunk and query head:
 // 16 partial-sum vectors reduced together into one vector of 16 scores, lanes outside the row's
@@ -137,7 +160,7 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
                 int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window, float softcap,
                 const float* sinks, T* out) {
   constexpr int D = 16 * N;
-  constexpr int C = 4;  // chunks of 16 keys per tile
+  constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - INFINITY;
   v16 qf[G][N], acc[G][N], lsum[G];
@@ -156,17 +179,11 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
-    const int chunks = ctx - tile >= 16 * C ? C : static_cast<int>((ctx - tile + 15) / 16);
-    const T* vb[C];
-    int k0[C], k1[C];
+    const Tile at = tile_at(tile, start, ctx, table, head_base, block_size, D);
+    const int chunks = at.chunks;
     for (int ch = 0; ch < chunks; ++ch) {
-      const int64_t pos = tile + 16 * ch;  // key positions pos .. pos + 15
-      const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
-      const T* kb = k_cache + base;
-      vb[ch] = v_cache + base;
-      k0[ch] = start > pos ? static_cast<int>(start - pos) : 0;
-      k1[ch] = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
-      const auto outside = (iota < k0[ch]) | (iota >= k1[ch]);
+      const T* kb = k_cache + at.base[ch];
+      const auto outside = (iota < at.k0[ch]) | (iota >= at.k1[ch]);
       // bfloat16 keys are widened once per chunk, not once per query head
       alignas(64) float widened[sizeof(T) == 2 ? 16 * D : 1];
       const float* keys = reinterpret_cast<const float*>(kb);
@@ -201,9 +218,9 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       }
     }
     for (int ch = 0; ch < chunks; ++ch)
-      for (int k = k0[ch]; k < k1[ch]; ++k) {
+      for (int k = at.k0[ch]; k < at.k1[ch]; ++k) {
         v16 vk[N];
-        for (int c = 0; c < N; ++c) vk[c] = load16(vb[ch] + k * D + c * 16);
+        for (int c = 0; c < N; ++c) vk[c] = load16(v_cache + at.base[ch] + k * D + c * 16);
         for (int h = 0; h < G; ++h)
           for (int c = 0; c < N; ++c) acc[h][c] += sc[h][ch][k] * vk[c];
       }
@@ -224,18 +241,14 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 // Scores: query (bf16, as it comes) x key pairs along head_dim. Weighted sum: the softmax weights
 // rounded to bf16 (as torch's flash attention does for reduced dtypes) x value pairs along the keys,
 // two keys' values interleaved by 16-bit unpacks; the accumulators then hold each 32-dim piece in
-// the unpack order, put back in place at the end. Softmax statistics stay float32.
-//
-// The online softmax steps over tiles of 64 keys (four 16-key chunks, each within one block): one
-// maximum, one rescale of the accumulators per tile, and the running sum kept as a vector, summed
-// once at the end. Per 16 keys, the serial chain of reductions and exponentials was the kernel's
-// bound, not the products or the memory.
+// the unpack order, put back in place at the end. Softmax statistics stay float32; the online
+// softmax steps over 64-key tiles as in attend_vec.
 template <int G, int N>  // N: head_dim / 16 (even)
 void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                      int64_t ctx, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale,
                      int64_t window, float softcap, const float* sinks, uint16_t* out) {
   constexpr int D = 16 * N, P = N / 2;  // P: 32-element pieces of a head
-  constexpr int C = 4;                  // chunks of 16 keys per tile
+  constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - INFINITY;
   __m512bh qb[G][P];
@@ -255,18 +268,8 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
-    const int chunks = ctx - tile >= 16 * C ? C : static_cast<int>((ctx - tile + 15) / 16);
-    const uint16_t* kb[C];
-    const uint16_t* vb[C];
-    int k0[C], k1[C];
-    for (int ch = 0; ch < chunks; ++ch) {
-      const int64_t pos = tile + 16 * ch;  // key positions pos .. pos + 15
-      const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
-      kb[ch] = k_cache + base;
-      vb[ch] = v_cache + base;
-      k0[ch] = start > pos ? static_cast<int>(start - pos) : 0;
-      k1[ch] = ctx - pos < 16 ? static_cast<int>(ctx - pos) : 16;
-    }
+    const Tile at = tile_at(tile, start, ctx, table, head_base, block_size, D);
+    const int chunks = at.chunks;
     for (int h = 0; h < G; ++h) {
       v16 sc[C];
       v16 top = minus_inf;
@@ -275,13 +278,13 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         for (int k = 0; k < 16; ++k) {
           __m512 s = _mm512_setzero_ps();
           for (int c = 0; c < P; ++c)
-            s = _mm512_dpbf16_ps(s, qb[h][c], (__m512bh)_mm512_loadu_si512(kb[ch] + k * D + c * 32));
+            s = _mm512_dpbf16_ps(s, qb[h][c], (__m512bh)_mm512_loadu_si512(k_cache + at.base[ch] + k * D + c * 32));
           t[k] = (v16)s;
         }
         v16 x = reduce16(t) * q_scale;
         if (softcap > 0)
           for (int i = 0; i < 16; ++i) x[i] = std::tanh(x[i] * scale / softcap) * softcap;
-        sc[ch] = (iota < k0[ch]) | (iota >= k1[ch]) ? minus_inf : x;
+        sc[ch] = (iota < at.k0[ch]) | (iota >= at.k1[ch]) ? minus_inf : x;
         top = sc[ch] > top ? sc[ch] : top;
       }
       const float mx = rescale_to_tile(top, m[h], lsum[h], acc[h]);
@@ -295,11 +298,11 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     // keys k, k + 1 together; a key outside the row's range has weight 0 and its value slot may
     // hold anything (never written), so it is read as zeros
     for (int ch = 0; ch < chunks; ++ch) {
-      for (int k = k0[ch] & ~1; k < k1[ch]; k += 2) {
-        const uint16_t* v0 = vb[ch] + k * D;
+      for (int k = at.k0[ch] & ~1; k < at.k1[ch]; k += 2) {
+        const uint16_t* v0 = v_cache + at.base[ch] + k * D;
         for (int c = 0; c < P; ++c) {
-          const __m512i x = k >= k0[ch] ? _mm512_loadu_si512(v0 + c * 32) : zero;
-          const __m512i y = k + 1 < k1[ch] ? _mm512_loadu_si512(v0 + D + c * 32) : zero;
+          const __m512i x = k >= at.k0[ch] ? _mm512_loadu_si512(v0 + c * 32) : zero;
+          const __m512i y = k + 1 < at.k1[ch] ? _mm512_loadu_si512(v0 + D + c * 32) : zero;
           const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
           const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
           for (int h = 0; h < G; ++h) {

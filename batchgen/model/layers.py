@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -12,23 +13,21 @@ import torch.nn.functional as F
 FUSED_CPU_OPS = True
 
 
-def fused_cpu_ops(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled elementwise kernels take these tensors (and are switched on)."""
+def fused_cpu_ops(*tensors: torch.Tensor) -> ModuleType | None:
+    """``kernels.cpu_ops`` where its compiled kernels take these tensors (and are switched on)."""
     if not FUSED_CPU_OPS or tensors[0].device.type != "cpu":
-        return False
+        return None
     from kernels import cpu_ops  # noqa: PLC0415
 
-    return cpu_ops.takes(*tensors)
+    return cpu_ops if cpu_ops.takes(*tensors) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm scaled by ``offset + weight`` (Gemma stores ``weight`` around 0 and scales by
     ``1 + weight``, in float32 before casting back)."""
     dtype = x.dtype
-    if not offset and fused_cpu_ops(x, weight):
-        from kernels import cpu_ops  # noqa: PLC0415
-
-        return cpu_ops.rms_norm(x, weight, eps)
+    if not offset and (ops := fused_cpu_ops(x, weight)) is not None:
+        return ops.rms_norm(x, weight, eps)
     if offset:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
@@ -134,10 +133,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     dim = cos.shape[-1]
     if dim != x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
-    if dim % 2 == 0 and x.stride(-1) == 1 and fused_cpu_ops(x, cos, sin):
-        from kernels import cpu_ops  # noqa: PLC0415
-
-        return cpu_ops.rotary(x, cos, sin)
+    if dim % 2 == 0 and x.stride(-1) == 1 and (ops := fused_cpu_ops(x, cos, sin)) is not None:
+        return ops.rotary(x, cos, sin)
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
