@@ -15,9 +15,12 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels run on these tensors: CPU, one dtype, float32 or bfloat16."""
     dtype = tensors[0].dtype
-    return (
-        dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) and available()
-    )
+    if dtype not in _SUFFIX:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device.type != "cpu":
+            return False
+    return available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,8 +20,10 @@ import torch
 
 from batchgen.engine.sequence import Sequence
 from batchgen.params import BeamSearchParams
+from kernels import cpu_beam
 
 NEG = -1.0e9
+FUSED_CPU_TOPK = True  # the compiled candidate step on CPU logits (False: the torch code, the reference)
 
 
 @dataclass
@@ -73,9 +75,13 @@ class BeamState:
         return (self.params.beam_width, len(self.end_ids))
 
 
+def _end_tokens_masked(states: list[BeamState]) -> bool:
+    return any(st.cur_len - st.prompt_len < st.params.min_tokens and st.end_ids for st in states)
+
+
 def _mask_end_tokens(states: list[BeamState], log_probs: torch.Tensor, k: int) -> torch.Tensor:
     """transformers' ``min_new_tokens`` processor: end tokens get -inf while too few tokens exist."""
-    if not any(st.cur_len - st.prompt_len < st.params.min_tokens and st.end_ids for st in states):
+    if not _end_tokens_masked(states):
         return log_probs
     log_probs = log_probs.clone()
     for g, st in enumerate(states):
@@ -93,16 +99,16 @@ class BeamChoice:
     scores: list[float]
 
 
-def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoice]:
+def beam_step(states: list[BeamState], logits: torch.Tensor, rows: list[int]) -> list[BeamChoice]:
     """One step for groups of equal (width, number of end tokens).
 
-    ``log_probs``: [len(states) * k, vocab] float32 ``log_softmax`` rows, row ``g*k + i`` for beam
-    i of group g. Updates every state in place and returns the running beams chosen per group.
+    ``logits``: the model's logits, one row per computed sequence; beam i of group g reads row
+    ``rows[g*k + i]``. Updates every state in place and returns the running beams chosen per group.
     """
     if states[0].params.beam_width == 1:
-        return _greedy_step(states, log_probs)
+        return _greedy_step(states, _log_softmax(logits, rows))
     k = states[0].params.beam_width
-    cand = _candidates(states, log_probs, k)
+    cand = _candidates(states, logits, rows, k)
 
     # e. next running beams: the best k continuations that did not end
     topk_running = cand.log_probs + cand.ends.to(torch.float32) * NEG
@@ -114,27 +120,32 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
     choices = []
     idx_rows, beam_rows, id_rows = merged_idx.tolist(), cand.beams.tolist(), cand.token_ids.tolist()
     lp_rows, next_rows, score_rows = cand.log_probs.tolist(), next_idx.tolist(), next_scores.tolist()
+    unchanged = list(range(k))
+    new_finished_rows = new_finished_scores.tolist()
     for g, st in enumerate(states):
-        old = st.finished
-        new: list[Hypothesis | None] = []
-        for j in idx_rows[g]:
-            if j < k:
-                new.append(old[j])
-            else:
-                c = j - k
-                parent = st.beams[beam_rows[g][c]]
-                tok = id_rows[g][c]
-                new.append(
-                    Hypothesis(
-                        parent.output_token_ids + [tok],
-                        float(new_finished_scores[g, len(new)]),
-                        lp_rows[g][c],
-                        tok in st.end_ids,
+        if idx_rows[g] != unchanged:  # a candidate that ended entered the finished hypotheses
+            old = st.finished
+            new: list[Hypothesis | None] = []
+            for j in idx_rows[g]:
+                if j < k:
+                    new.append(old[j])
+                else:
+                    c = j - k
+                    parent = st.beams[beam_rows[g][c]]
+                    tok = id_rows[g][c]
+                    new.append(
+                        Hypothesis(
+                            parent.output_token_ids + [tok],
+                            new_finished_rows[g][len(new)],
+                            lp_rows[g][c],
+                            tok in st.end_ids,
+                        )
                     )
-                )
-        st.finished = new
-        st.finished_scores = new_finished_scores[g].clone()
-        st.is_finished = new_is_finished[g].clone()
+            st.finished = new
+        # rows of this step's fresh tensors, never written in place
+        st.finished_scores = new_finished_scores[g]
+        st.is_finished = new_is_finished[g]
+        st.running_scores = next_scores[g]
         choices.append(
             BeamChoice(
                 parents=[st.beams[beam_rows[g][c]] for c in next_rows[g]],
@@ -142,9 +153,8 @@ def beam_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoi
                 scores=score_rows[g],
             )
         )
-        st.running_scores = next_scores[g].clone()
         st.cur_len += 1
-        st.done = _group_done(st, all_ended=bool(cand.ends[g].all()))
+    _update_done(states, next_scores, new_finished_scores, new_is_finished, cand.ends.all(dim=1).tolist())
     return choices
 
 
@@ -157,16 +167,26 @@ class _Candidates(NamedTuple):
     ends: torch.Tensor  # bool: the continuation ends (an end token, or the length limit)
 
 
-def _candidates(states: list[BeamState], log_probs: torch.Tensor, k: int) -> _Candidates:
-    """a.-d.: accumulated scores of all ``k x vocab`` continuations and the best of them."""
+def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows' float32 log-probabilities, in the beams' order (no gather when already in it)."""
+    in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+    return torch.log_softmax((logits if in_order else logits[torch.tensor(rows)]).float(), dim=-1)
+
+
+def _candidates(states: list[BeamState], logits: torch.Tensor, rows: list[int], k: int) -> _Candidates:
+    """a.-d.: accumulated scores of all ``k x vocab`` continuations and the best of them (on the
+    compiled CPU kernel where it runs: the same scores without a vocabulary-sized temporary)."""
     g_count = len(states)
     n_end = len(states[0].end_ids)
-    vocab = log_probs.shape[-1]
+    vocab = logits.shape[-1]
     keep = max(2, 1 + n_end) * k
-    log_probs = _mask_end_tokens(states, log_probs, k)
     running = torch.stack([st.running_scores for st in states])
-    acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
-    topk_log_probs, topk_idx = torch.topk(acc, k=keep)
+    if FUSED_CPU_TOPK and cpu_beam.takes(logits) and not _end_tokens_masked(states):
+        topk_log_probs, topk_idx = cpu_beam.beam_topk(logits, torch.tensor(rows), running.view(-1), k, keep)
+    else:
+        log_probs = _mask_end_tokens(states, _log_softmax(logits, rows), k)
+        acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
+        topk_log_probs, topk_idx = torch.topk(acc, k=keep)
     topk_ids = topk_idx % vocab
     at_limit = torch.tensor([[st.cur_len + 1 >= st.max_length] for st in states])
     if n_end:
@@ -189,9 +209,8 @@ def _merge_finished(
     is_finished = torch.stack([st.is_finished for st in states])
     unsatisfied = torch.stack([st.early_stop_unsatisfied for st in states])
     just_finished = cand.ends & top_k_mask[None, :]
-    scores = torch.empty_like(cand.log_probs)
-    for g, st in enumerate(states):
-        scores[g] = cand.log_probs[g] / ((st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty)
+    lengths = [(st.cur_len + 1 - st.prompt_len) ** st.params.length_penalty for st in states]
+    scores = cand.log_probs / torch.tensor(lengths, dtype=torch.float32)[:, None]
     full = torch.all(is_finished, dim=-1, keepdim=True) & torch.tensor(
         [[st.params.early_stopping is True] for st in states]
     )
@@ -204,20 +223,32 @@ def _merge_finished(
     return merged_idx, merged_scores.gather(1, merged_idx), merged_finished.gather(1, merged_idx)
 
 
-def _group_done(st: BeamState, all_ended: bool) -> bool:
-    """g.: the stopping rule of a group after its step (``st.cur_len`` already advanced); narrows
-    ``st.early_stop_unsatisfied``."""
-    p = st.params
-    if p.early_stopping == "never" and p.length_penalty > 0.0:
-        best_len = st.max_length - st.prompt_len
-    else:
-        best_len = st.cur_len - st.prompt_len
-    best_possible = st.running_scores[:1] / (best_len**p.length_penalty)
-    worst = torch.where(st.is_finished, torch.min(st.finished_scores), NEG)
-    st.early_stop_unsatisfied = st.early_stop_unsatisfied & torch.any(best_possible > worst)
-    improvement = bool(st.early_stop_unsatisfied.any())
-    open_beam = not (bool(st.is_finished.all()) and p.early_stopping is True)
-    return not (improvement and open_beam and not all_ended)
+def _update_done(
+    states: list[BeamState],
+    running: torch.Tensor,
+    finished_scores: torch.Tensor,
+    is_finished: torch.Tensor,
+    all_ended: list[bool],
+) -> None:
+    """g.: the stopping rule of each group after its step (``cur_len`` already advanced; [G, k]
+    tensors); narrows ``early_stop_unsatisfied`` and sets ``done``."""
+    best_lens = []
+    for st in states:
+        p = st.params
+        if p.early_stopping == "never" and p.length_penalty > 0.0:
+            best_lens.append((st.max_length - st.prompt_len) ** p.length_penalty)
+        else:
+            best_lens.append((st.cur_len - st.prompt_len) ** p.length_penalty)
+    best_possible = running[:, :1] / torch.tensor(best_lens, dtype=torch.float32)[:, None]
+    worst = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True).values, NEG)
+    unsatisfied = torch.stack([st.early_stop_unsatisfied for st in states])
+    unsatisfied = unsatisfied & torch.any(best_possible > worst, dim=1, keepdim=True)
+    improvement = unsatisfied[:, 0].tolist()
+    full = is_finished.all(dim=1).tolist()
+    for g, st in enumerate(states):
+        st.early_stop_unsatisfied = unsatisfied[g]
+        open_beam = not (full[g] and st.params.early_stopping is True)
+        st.done = not (improvement[g] and open_beam and not all_ended[g])
 
 
 def _greedy_step(states: list[BeamState], log_probs: torch.Tensor) -> list[BeamChoice]:

@@ -76,7 +76,7 @@ class LLMEngine:
             rope_switch=self.runner.model.long_rope_after,
         )
         self._rng = np.random.default_rng(cfg.seed)
-        self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> log-prob row waiting for its siblings
+        self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> logits row waiting for its siblings
         self._stats = EngineStats(cfg.block_size, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
 
@@ -211,7 +211,8 @@ class LLMEngine:
                     self._note_prompt_logprobs(out.scheduled[i], rows)
                 self._advance([s.seq for s in out.scheduled if s.samples], result.logits)
             prompt = sum(
-                max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start) for s in out.scheduled
+                max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+                for s in out.scheduled
             )
             self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0, prompt)
         if self.cfg.debug_checks:
@@ -338,7 +339,6 @@ class LLMEngine:
         return child
 
     def _beam(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
         row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         ready: dict[tuple[int, int], list[SequenceGroup]] = defaultdict(list)
         for group in dict.fromkeys(seq.group for seq in seqs):
@@ -354,24 +354,22 @@ class LLMEngine:
             else:  # some beams were not computed this step (token budget): keep the rows we have
                 for b in beams:
                     if b.seq_id in row_of:
-                        self._pending[b.seq_id] = log_probs[row_of[b.seq_id]].clone()
+                        self._pending[b.seq_id] = logits[row_of[b.seq_id]].clone()
         for groups in ready.values():
             beams = [b for g in groups for b in g.beam.beams]
             if all(b.seq_id in row_of for b in beams):
-                index = [row_of[b.seq_id] for b in beams]
-                # the step's rows in the beams' order already (the usual case): no copy
-                same = len(index) == log_probs.shape[0] and index == list(range(len(index)))
-                rows = log_probs if same else log_probs[torch.tensor(index)]
+                rows, index = logits, [row_of[b.seq_id] for b in beams]
             else:
                 rows = torch.stack(
                     [
-                        log_probs[row_of[b.seq_id]] if b.seq_id in row_of else self._pending[b.seq_id]
+                        logits[row_of[b.seq_id]] if b.seq_id in row_of else self._pending[b.seq_id]
                         for b in beams
                     ]
                 )
+                index = list(range(len(beams)))
             for b in beams:
                 self._pending.pop(b.seq_id, None)
-            choices = beam_step([g.beam for g in groups], rows)
+            choices = beam_step([g.beam for g in groups], rows, index)
             for group, choice in zip(groups, choices, strict=True):
                 self._apply_beams(group, choice)
 
