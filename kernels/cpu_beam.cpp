@@ -39,31 +39,23 @@ struct Best {
   }
 };
 
-template <typename T>
-void row_stats(const T* x, int64_t vocab, float* max_out, float* log_sum_out) {
+void row_stats(const float* x, int64_t vocab, float* max_out, float* log_sum_out) {
   const int64_t full = vocab / 16 * 16;
-  v16 m = v16{} - INFINITY;
-  for (int64_t j = 0; j < full; j += 16) {
-    const v16 v = load16(x + j);
-    m = v > m ? v : m;
-  }
-  float mx = hmax(m);
-  for (int64_t j = full; j < vocab; ++j) mx = load(x + j) > mx ? load(x + j) : mx;
+  const float mx = row_max(x, vocab);
   v16 acc = v16{};
   for (int64_t j = 0; j < full; j += 16) acc += exp16(load16(x + j) - mx);
   float sum = hsum(acc);
-  for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(load(x + j) - mx);
+  for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(x[j] - mx);
   *max_out = mx;
   *log_sum_out = std::log(sum);
 }
 
 // The score is a non-decreasing function of the logit (each float operation is), so a stretch of
 // 64 logits whose largest scores no higher than the keep-th best is skipped after one comparison.
-template <typename T>
-void scan_row(const T* x, int64_t vocab, float mx, float log_sum, float running, int64_t base, Best& best) {
+void scan_row(const float* x, int64_t vocab, float mx, float log_sum, float running, int64_t base, Best& best) {
   const auto score = [&](float v) { return ((v - mx) - log_sum) + running; };
   const auto visit = [&](int64_t j) {
-    const float s = score(load(x + j));
+    const float s = score(x[j]);
     if (best.count < best.keep || s > best.threshold()) best.insert(s, base + j);
   };
   const int64_t full = vocab / 64 * 64;
@@ -79,15 +71,14 @@ void scan_row(const T* x, int64_t vocab, float mx, float log_sum, float running,
   for (int64_t j = full; j < vocab; ++j) visit(j);
 }
 
-template <typename T>
-int beam_topk(const T* logits, int64_t vocab, const int64_t* rows, const float* running, int64_t groups, int64_t k,
+int beam_topk(const float* logits, int64_t vocab, const int64_t* rows, const float* running, int64_t groups, int64_t k,
               int64_t keep, float* scores, int64_t* index, int threads) {
   if (keep < 1 || keep > k * vocab) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t g = 0; g < groups; ++g) {
     Best best{scores + g * keep, index + g * keep, keep};
     for (int64_t i = 0; i < k; ++i) {
-      const T* x = logits + rows[g * k + i] * vocab;
+      const float* x = logits + rows[g * k + i] * vocab;
       float mx, log_sum;
       row_stats(x, vocab, &mx, &log_sum);
       scan_row(x, vocab, mx, log_sum, running[g * k + i], i * vocab, best);

@@ -11,22 +11,6 @@
 
 using namespace batchgen;
 
-namespace {
-
-inline float row_max(const float* x, int64_t vocab) {
-  const int64_t full = vocab / 16 * 16;
-  v16 m = v16{} - INFINITY;
-  for (int64_t j = 0; j < full; j += 16) {
-    const v16 v = load16(x + j);
-    m = v > m ? v : m;
-  }
-  float r = hmax(m);
-  for (int64_t j = full; j < vocab; ++j) r = x[j] > r ? x[j] : r;
-  return r;
-}
-
-}  // namespace
-
 extern "C" {
 
 // adjusted, raw, probs: [rows, vocab]; inv_temp: [rows]; block_sums: [rows, ceil(vocab / block)];

@@ -112,4 +112,17 @@ inline v16 exp16(v16 x) {
   return tiny ? v16{} : y;
 }
 
+// The largest of x[0..n)
+inline float row_max(const float* x, int64_t n) {
+  const int64_t full = n / 16 * 16;
+  v16 m = v16{} - INFINITY;
+  for (int64_t j = 0; j < full; j += 16) {
+    const v16 v = load16(x + j);
+    m = v > m ? v : m;
+  }
+  float r = hmax(m);
+  for (int64_t j = full; j < n; ++j) r = x[j] > r ? x[j] : r;
+  return r;
+}
+
 }  // namespace batchgen
