@@ -358,9 +358,9 @@ class LLMEngine:
         for groups in ready.values():
             beams = [b for g in groups for b in g.beam.beams]
             if all(b.seq_id in row_of for b in beams):
-                rows, index = logits, [row_of[b.seq_id] for b in beams]
+                source, index = logits, [row_of[b.seq_id] for b in beams]
             else:
-                rows = torch.stack(
+                source = torch.stack(
                     [
                         logits[row_of[b.seq_id]] if b.seq_id in row_of else self._pending[b.seq_id]
                         for b in beams
@@ -369,7 +369,7 @@ class LLMEngine:
                 index = list(range(len(beams)))
             for b in beams:
                 self._pending.pop(b.seq_id, None)
-            choices = beam_step([g.beam for g in groups], rows, index)
+            choices = beam_step([g.beam for g in groups], source, index)
             for group, choice in zip(groups, choices, strict=True):
                 self._apply_beams(group, choice)
 
