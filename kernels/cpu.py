@@ -1,7 +1,7 @@
-"""The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_sampling.cpp``:
-the sampler's fused full-vocabulary passes; ``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary
-embeddings in one pass each; ``cpu_beam.cpp``: beam search's candidate step), built into one shared
-library at first use.
+"""The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_prefill.cpp``:
+bfloat16 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
+``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each; ``cpu_beam.cpp``: beam
+search's candidate step), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_beam.cpp"]
+SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_beam.cpp", HERE / "cpu_prefill.cpp"]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
@@ -47,6 +47,8 @@ SIGNATURES = {
     # x, x token stride, cos, sin, tokens, heads, dim, out, threads
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
     "rotary_bf16": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
+    # q, k, v, table, n, ctx, heads, kv_heads, dim, num_blocks, block_size, scale, out, threads
+    "prefill_bf16": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
 }

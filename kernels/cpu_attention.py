@@ -3,10 +3,12 @@ the attention backend that uses it.
 
 The kernel reads each decode row's keys and values in place from the paged caches and runs an
 online softmax, instead of the torch path's gathered copies, masked score matrices and separate
-softmax. Prefill chunks stay on the torch path (``scaled_dot_product_attention``, already
-compute-bound). ``batchgen.model.attention.CpuAttention`` is the backend that uses it;
-``attention_backend="auto"`` picks it on the CPU where it builds and takes the model's shapes
-(``supports``), and keeps the torch backend otherwise.
+softmax. bfloat16 prefill chunks run on ``cpu_prefill.cpp`` (``prefill_bf16``: the bf16 dot
+instruction, 2-4x torch's flash kernel, which is no faster in bf16 than in float32 here); float32
+ones stay on the torch path (``scaled_dot_product_attention``).
+``batchgen.model.attention.CpuAttention`` is the backend that uses both; ``attention_backend="auto"``
+picks it on the CPU where it builds and takes the model's shapes (``supports``), and keeps the
+torch backend otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from kernels.cpu import KernelUnavailable, load
 
-__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "supports"]
+__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "prefill_bf16", "supports"]
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -99,3 +101,42 @@ def paged_decode(
             f"block_size {block_size})"
         )
     return out
+
+
+def prefill_bf16(
+    q: torch.Tensor,  # [n, heads, dim] bfloat16: positions ctx - n .. ctx - 1
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim] bfloat16
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [blocks] int64: the sequence's block table, covering ctx positions
+    context_len: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """Causal attention of a bfloat16 prefill chunk over its paged context on the bf16 dot
+    instruction (``cpu_prefill.cpp``), without a window, soft-capping or sinks; None where the
+    kernel does not run (no AVX-512 BF16 compiled in, head_dim other than 64 or 128, more than 16
+    query heads per kv head), and the caller keeps torch's kernel."""
+    n, heads, dim = q.shape
+    kvh, num_blocks, block_size, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and table.dtype == torch.int64
+    assert table.numel() * block_size >= context_len >= n
+    q = q.contiguous()
+    table = table.contiguous()
+    out = torch.empty_like(q)
+    rc = load().prefill_bf16(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        n,
+        context_len,
+        heads,
+        kvh,
+        dim,
+        num_blocks,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return None if rc else out

@@ -270,17 +270,33 @@ class CpuAttention(TorchAttention):
     """The torch backend with its decode rows on the compiled CPU kernel
     (``kernels.cpu_attention.paged_decode``): each row's keys and values read in place from the
     paged caches, one online softmax, no gathered copies. The runner gives decode rows as per-row
-    block tables (``decode_rows``), not shared-prefix groups; prefill chunks run as in the torch
+    block tables (``decode_rows``), not shared-prefix groups. bfloat16 prefill chunks run on the
+    compiled prefill kernel (``kernels.cpu_attention.prefill_bf16``), float32 ones as in the torch
     backend."""
 
     decode_rows = True
 
     def __init__(self) -> None:
         super().__init__()
-        from kernels.cpu_attention import load, paged_decode  # noqa: PLC0415
+        from kernels.cpu_attention import load, paged_decode, prefill_bf16  # noqa: PLC0415
 
         load()  # builds the library on first use; KernelUnavailable where it cannot
         self._paged_decode = paged_decode
+        self._prefill_bf16 = prefill_bf16
+
+    def _prefill(self, q, k_cache, v_cache, chunk, layer):
+        """bfloat16 chunks on the compiled prefill kernel (the bf16 dot instruction; torch's flash
+        kernel is no faster in bf16 than in float32 here), where it runs; else the torch path."""
+        if (
+            q.dtype == torch.bfloat16
+            and layer.window is None
+            and layer.softcap is None
+            and layer.sinks is None
+        ):
+            out = self._prefill_bf16(q, k_cache, v_cache, chunk.block_table, chunk.context_len, layer.scale)
+            if out is not None:
+                return out
+        return super()._prefill(q, k_cache, v_cache, chunk, layer)
 
     def _decode(self, q, k_cache, v_cache, meta, layer, out_rows):
         self._paged_decode(

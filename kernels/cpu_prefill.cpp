@@ -1,0 +1,212 @@
+// Causal prefill attention on the CPU for bfloat16 caches, on AVX-512 BF16's dot instruction: a
+// chunk of n queries (the last n of ctx positions) over its paged context, flash-style (tiles of
+// keys, an online softmax, no score matrix), with keys and values read once per call from the
+// paged caches into tile layouts that make both products small dot-instruction GEMMs:
+//
+//   scores  = query rows x keys: 16 keys in the lanes of a vector, pairs of head dims inside each
+//             lane (keys transposed: [16-key chunk][dim pair][key]), the query's dim pair broadcast;
+//   weighted sum = weights x values: 16 head dims in the lanes, pairs of keys inside each lane
+//             (values interleaved by key pairs: [key pair][dim][2]), the weight pair broadcast.
+//
+// torch's CPU flash kernel runs at about the same speed in bfloat16 as in float32 here (its own
+// blocked GEMMs); this one runs at the dot instruction's rate. Softmax statistics and
+// accumulation are float32; the weights are rounded to bf16 before the weighted sum, as torch's
+// flash attention does for reduced dtypes and as the decode kernel (cpu_attention.cpp) does.
+//
+// Work item: one kv head and a block of query positions, whose rows (positions x the group's
+// query heads) share every key tile while it is in L1; 4 rows at a time (2 at head_dim 128) keep
+// their scores and accumulators in registers. Items are split over OpenMP threads, the longest
+// (latest positions) first. Without AVX-512 BF16 the entry point returns 1 and the caller keeps
+// torch's kernel; tests/kernels/test_cpu_prefill.py checks it against a float64 reference.
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_simd.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BATCHGEN_PREFILL_DOT 1
+#endif
+
+namespace {
+
+using namespace batchgen;
+
+#ifdef BATCHGEN_PREFILL_DOT
+
+constexpr int kTile = 32;       // keys per tile (two 16-key chunks)
+constexpr int kItemRows = 64;   // query rows per work item, at most
+constexpr int kMaxGroup = 16;   // query heads per kv head
+
+// Keys and values of one kv head at positions [lo, hi) from the paged cache into the tile layouts
+// of that head: kt [padded / 16][D / 2][16] (dim pairs of 16 keys), vi [padded / 2][D][2] (key
+// pairs). Positions from ctx on are left as they are: zeros (a zero value times a zero weight
+// stays zero, where whatever a cache slot holds, NaN say, might not).
+template <int D>
+void pack(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t lo, int64_t hi,
+          int64_t ctx, int64_t head_base, int64_t block_size, uint32_t* kt, uint16_t* vi) {
+  for (int64_t pos = lo; pos < hi; ++pos) {
+    uint32_t* kdst = kt + (pos / 16) * (D / 2) * 16 + pos % 16;
+    uint16_t* vdst = vi + (pos / 2) * D * 2 + pos % 2;
+    if (pos >= ctx) continue;  // stays zero (the buffers start zeroed)
+    const int64_t at = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(k_cache + at);
+    const uint16_t* v = v_cache + at;
+    for (int c = 0; c < D / 2; ++c) kdst[c * 16] = k[c];
+    for (int i = 0; i < D; ++i) vdst[2 * i] = v[i];
+  }
+}
+
+// ``nr`` (at most R) rows of an item against the tile of keys [t0, t0 + 32): scores, the online
+// softmax step, the weighted sum into ``acc``. ``pos``: each row's position (it sees keys 0 ..
+// pos), none before t0 (the caller skips those rows).
+template <int N, int R>  // N: head_dim / 16
+inline void tile_rows(const uint16_t* const* qrow, const int64_t* pos, int nr, const uint32_t* kt_tile,
+                      const uint16_t* vi_tile, int64_t t0, float scale, float* m, float* l, float (*acc)[16 * N]) {
+  constexpr int D = 16 * N;
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 minus_inf = v16{} - INFINITY;
+  __m512 s[R][2];
+  for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+  const uint32_t* q32[R];
+  for (int r = 0; r < R; ++r) q32[r] = reinterpret_cast<const uint32_t*>(qrow[r < nr ? r : nr - 1]);
+  for (int c = 0; c < D / 2; ++c) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt_tile + c * 16);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt_tile + (D / 2) * 16 + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q32[r][c]));
+      s[r][0] = _mm512_dpbf16_ps(s[r][0], k0, qb);
+      s[r][1] = _mm512_dpbf16_ps(s[r][1], k1, qb);
+    }
+  }
+  alignas(64) uint32_t w[R][16];  // the tile's weights as bf16, in pairs of keys
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    if (r >= nr) {
+      corr[r] = 1.0f;
+      for (int j = 0; j < 16; ++j) w[r][j] = 0;
+      continue;
+    }
+    const int last = static_cast<int>(pos[r] - t0);  // the last visible key of the tile, as an index in it
+    v16 x0 = (v16)s[r][0] * scale, x1 = (v16)s[r][1] * scale;
+    if (last < kTile - 1) {
+      x0 = iota > last ? minus_inf : x0;
+      x1 = iota + 16 > last ? minus_inf : x1;
+    }
+    const float tile_max = hmax(x0 > x1 ? x0 : x1);
+    const float mx = tile_max > m[r] ? tile_max : m[r];
+    corr[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
+    m[r] = mx;
+    const v16 e0 = exp16(x0 - mx), e1 = exp16(x1 - mx);
+    l[r] = l[r] * corr[r] + hsum(e0 + e1);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);  // key 2j, 2j + 1 in lane j
+    _mm512_store_si512(w[r], (__m512i)pairs);
+  }
+  __m512 a[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), _mm512_set1_ps(corr[r]));
+  for (int j = 0; j < kTile / 2; ++j) {
+    __m512bh wb[R];
+    for (int r = 0; r < R; ++r) wb[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r][j]));
+    for (int c = 0; c < N; ++c) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vi_tile + j * D * 2 + c * 32);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_dpbf16_ps(a[r][c], vv, wb[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+}
+
+template <int N>
+void prefill(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t n,
+             int64_t ctx, int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, float scale,
+             uint16_t* out, int threads) {
+  constexpr int D = 16 * N;
+  constexpr int R = N >= 8 ? 2 : 4;  // rows per register block: R x N accumulators
+  const int64_t group = heads / kv_heads;
+  const int64_t past = ctx - n;
+  const int64_t padded = (ctx + kTile - 1) / kTile * kTile;
+  std::vector<uint32_t> kt_all(static_cast<size_t>(kv_heads * padded * D / 2));  // zeros
+  std::vector<uint16_t> vi_all(static_cast<size_t>(kv_heads * padded * D));
+  const int64_t tiles = padded / kTile;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t it = 0; it < kv_heads * tiles; ++it) {
+    const int64_t h = it / tiles, lo = it % tiles * kTile;
+    pack<D>(k_cache, v_cache, table, lo, lo + kTile, ctx, h * num_blocks * block_size * D, block_size,
+            kt_all.data() + h * padded * D / 2, vi_all.data() + h * padded * D);
+  }
+  const int64_t span = std::max<int64_t>(1, kItemRows / group);  // query positions per item
+  const int64_t blocks = (n + span - 1) / span;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t it = 0; it < kv_heads * blocks; ++it) {
+    const int64_t h = it % kv_heads, b = blocks - 1 - it / kv_heads;  // the longest first
+    const int64_t p0 = b * span, p1 = std::min(n, p0 + span);
+    const int rows = static_cast<int>((p1 - p0) * group);
+    const uint32_t* kt = kt_all.data() + h * padded * D / 2;
+    const uint16_t* vi = vi_all.data() + h * padded * D;
+    float m[kItemRows], l[kItemRows];
+    alignas(64) float acc[kItemRows][D];
+    const uint16_t* qrow[kItemRows];
+    int64_t pos[kItemRows];
+    for (int r = 0; r < rows; ++r) {  // row r: position p0 + r / group, query head h * group + r % group
+      const int64_t p = p0 + r / group;
+      qrow[r] = q + (p * heads + h * group + r % group) * D;
+      pos[r] = past + p;
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      for (int i = 0; i < D; ++i) acc[r][i] = 0.0f;
+    }
+    const int64_t end = past + p1;  // keys [0, end) are seen by some row of the item
+    for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+      const uint32_t* kt_tile = kt + t0 / 16 * (D / 2) * 16;
+      const uint16_t* vi_tile = vi + t0 / 2 * D * 2;
+      for (int r = 0; r < rows; r += R) {
+        const int nr = std::min(R, rows - r);
+        if (pos[r + nr - 1] < t0) continue;  // rows are in position order: none of these sees the tile
+        int skip = 0;
+        while (pos[r + skip] < t0) ++skip;  // rows before the tile's first key
+        tile_rows<N, R>(qrow + r + skip, pos + r + skip, nr - skip, kt_tile, vi_tile, t0, scale, m + r + skip,
+                        l + r + skip, acc + r + skip);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+      uint16_t* o = out + (qrow[r] - q);
+      for (int c = 0; c < N; ++c) store16(o + 16 * c, load16(acc[r] + 16 * c) * inv);
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Causal attention of a prefill chunk: q, out [n, heads, dim] bf16, the queries of positions
+// ctx - n .. ctx - 1, over the kv head's keys 0 .. own position, read through ``table`` from the
+// caches [kv_heads, num_blocks, block_size, dim]. Returns 0, or 1 where it does not run (no
+// AVX-512 BF16 compiled in, head_dim other than 64 / 128, more than 16 query heads per kv head).
+int prefill_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                 int64_t n, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
+                 int64_t block_size, float scale, uint16_t* out, int threads) {
+#ifdef BATCHGEN_PREFILL_DOT
+  if (heads % kv_heads || heads / kv_heads > kMaxGroup || n < 1 || n > ctx) return 1;
+  switch (dim) {
+    case 64:
+      prefill<4>(q, k_cache, v_cache, table, n, ctx, heads, kv_heads, num_blocks, block_size, scale, out, threads);
+      return 0;
+    case 128:
+      prefill<8>(q, k_cache, v_cache, table, n, ctx, heads, kv_heads, num_blocks, block_size, scale, out, threads);
+      return 0;
+    default:
+      return 1;
+  }
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)table, (void)n, (void)ctx, (void)heads, (void)kv_heads, (void)dim;
+  (void)num_blocks, (void)block_size, (void)scale, (void)out, (void)threads;
+  return 1;
+#endif
+}
+}
