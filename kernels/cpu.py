@@ -1,6 +1,6 @@
 """The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_prefill.cpp``:
 bfloat16 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
-``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each; ``cpu_beam.cpp``: beam
+``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store; ``cpu_beam.cpp``: beam
 search's candidate step), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
@@ -44,6 +44,8 @@ SIGNATURES = {
     # gate_up, rows, inter, out, threads
     "silu_mul_f32": (None, [_P, _I, _I, _P, _INT]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, _INT]),
+    # k, k token stride, v, v token stride, k_cache, v_cache, slots, tokens, kv_heads, bytes, slots per head
+    "kv_write": (_INT, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
     # x, x token stride, cos, sin, tokens, heads, dim, out, threads
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
     "rotary_bf16": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),

@@ -1,11 +1,14 @@
 // The decoder layer's elementwise steps on the CPU, one pass each where torch takes several
-// operators (and as many temporaries): RMSNorm, the SwiGLU unit and rotary embeddings.
+// operators (and as many temporaries): RMSNorm, the SwiGLU unit and rotary embeddings; and the
+// store of each token's keys and values into its KV-cache slot.
 //
 // Each keeps torch's rounding: in bfloat16 every intermediate that torch rounds to bf16 is
 // rounded here at the same point (the normalized row before the weight, silu(gate) before the
 // product, each product of the rotation before their sum), so results equal the torch code's up
 // to the order of a sum (RMSNorm's mean of squares) and the exponential's last bits.
 // batchgen/model/layers.py's torch code is the reference (tests/model/test_cpu_ops.py).
+
+#include <cstring>
 
 #include "cpu_simd.h"
 
@@ -96,6 +99,24 @@ void rotary(const T* x, int64_t x_stride, const T* cos, const T* sin, int64_t to
 }  // namespace
 
 extern "C" {
+
+// k_cache[h, slots[t]] = k[t, h] and the same for v, for ``tokens`` tokens of ``kv_heads`` heads of
+// ``bytes`` bytes each; k and v rows may be strided (views into the fused qkv output): token
+// strides ``k_stride`` / ``v_stride`` bytes, heads contiguous. Caches: [kv_heads, slots_per_head]
+// slots of ``bytes``. Returns 1, having written nothing, where a slot is outside [0, slots_per_head).
+int kv_write(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_cache, char* v_cache,
+             const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t bytes, int64_t slots_per_head) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] < 0 || slots[t] >= slots_per_head) return 1;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (h * slots_per_head + slots[t]) * bytes;
+      std::memcpy(k_cache + at, k + t * k_stride + h * bytes, bytes);
+      std::memcpy(v_cache + at, v + t * v_stride + h * bytes, bytes);
+    }
+  }
+  return 0;
+}
 
 void rms_norm_f32(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out, int threads) {
   rms_norm<float>(x, w, rows, dim, eps, out, threads);

@@ -1,6 +1,6 @@
 """The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm,
 SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
-temporaries, with torch's rounding points kept in bfloat16. ``batchgen.model.layers`` uses them on
+temporaries, with torch's rounding points kept in bfloat16; and the KV-cache store (``kv_write``). ``batchgen.model.layers`` uses them on
 the CPU where the library builds (``available``); its torch code is the reference and the fallback."""
 
 from __future__ import annotations
@@ -72,3 +72,33 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         torch.get_num_threads(),
     )
     return out
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``k_cache[h, slots[t]] = k[t, h]`` (and v) for k, v [tokens, kv_heads, dim] (token rows may
+    be strided, as views of the fused qkv output) into head-major caches [kv_heads, ..., dim]:
+    ``attention.write_kv``'s two ``index_copy_`` calls, which cost 15-50 us each here, as one loop
+    of row copies. Slots out of range raise, as ``index_copy_`` does."""
+    tokens, kvh, dim = k.shape
+    per_head = k_cache.numel() // (kvh * dim)
+    if k.stride(2) != 1 or k.stride(1) != dim:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != dim:
+        v = v.contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k.dtype == v.dtype == k_cache.dtype
+    size = k.element_size()
+    rc = load().kv_write(
+        k.data_ptr(),
+        k.stride(0) * size,
+        v.data_ptr(),
+        v.stride(0) * size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.contiguous().data_ptr(),
+        tokens,
+        kvh,
+        dim * size,
+        per_head,
+    )
+    if rc:
+        raise IndexError(f"kv_write: a slot outside [0, {per_head}): {slots.tolist()}")

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from batchgen.model.layers import fused_cpu_ops
+
 
 @dataclass
 class PrefillChunk:
@@ -95,7 +97,11 @@ class AttentionBackend(Protocol):
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store each token's K/V ([T, kv_heads, head_dim]) in its slot of the head-major caches."""
+    """Store each token's K/V ([T, kv_heads, head_dim]) in its slot of the head-major caches
+    (on the compiled CPU kernel where it runs: ``kernels.cpu_ops.kv_write``)."""
+    if (ops := fused_cpu_ops(k, v, k_cache, v_cache)) is not None and slots.dtype == torch.int64:
+        ops.kv_write(k, v, k_cache, v_cache, slots)
+        return
     kvh, d = k.shape[1], k.shape[2]
     k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
     v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))

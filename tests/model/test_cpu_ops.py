@@ -1,4 +1,5 @@
-"""The compiled elementwise kernels (``kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings)
+"""The compiled elementwise kernels (``kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings,
+the KV-cache store)
 against the torch code they replace (``batchgen.model.layers``, ``batchgen.model.moe``), in
 float32 and bfloat16, on contiguous and strided inputs; and an engine with them switched off
 against one with them on.
@@ -15,9 +16,11 @@ import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
 from batchgen.model import layers
+from batchgen.model.attention import write_kv
 from batchgen.model.layers import apply_rotary, rms_norm
 from batchgen.model.moe import swiglu
 from kernels import cpu, cpu_ops
+from kernels.reference import write_kv_ref
 
 if cpu.compiler() is None:
     pytest.skip("no C++ compiler: the model keeps the torch code", allow_module_level=True)
@@ -83,6 +86,29 @@ def test_rotary_on_a_view_of_the_fused_qkv(torch_code, dtype, tokens):
     got = apply_rotary(qk, cos, sin)
     assert got.is_contiguous()
     assert_close(got, torch_code(apply_rotary, qk, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_kv_write_from_views_of_the_fused_qkv(dtype, block_size):
+    """The engine's store (``attention.write_kv``, on the kernel) against the reference loop, from
+    strided views (of a fused qkv output, and of a wider buffer) into scattered slots; the other slots keep what they held."""
+    gen = torch.Generator().manual_seed(block_size)
+    tokens, h, kvh, d, blocks = 37, 9, 3, 64, 12
+    qkv = torch.randn(tokens, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    k = qkv[:, h * d : (h + kvh) * d].view(tokens, kvh, d)
+    v = torch.randn(tokens, (kvh + 1) * d, generator=gen).to(dtype)[:, d:].view(tokens, kvh, d)  # another stride
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    k_cache = torch.randn(kvh, blocks, block_size, d, generator=gen).to(dtype)
+    v_cache = torch.randn(kvh, blocks, block_size, d, generator=gen).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(k, v, want_k, want_v, slots)
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match="slot outside"):
+        cpu_ops.kv_write(k[:2], v[:2], k_cache, v_cache, torch.tensor([0, blocks * block_size]))
+    assert torch.equal(k_cache, before)  # nothing written
 
 
 def test_takes_only_what_it_runs():
