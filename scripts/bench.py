@@ -407,6 +407,9 @@ def main() -> None:
     vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if "R" in names else 49152
     rows = []
     workloads = make_workloads(vocab, names, vocab_deep)
+    # L last: workloads that ran right after its transformers side (a 3 GB process) came out 35-40%
+    # slower in two float32 runs than the same requests at other times
+    workloads.sort(key=lambda w: w.long)
     for w in workloads:
         model = model_of(w)
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts ({model})", flush=True)
