@@ -1,6 +1,7 @@
 """Kernels: compiled C++ ones for the CPU path (``kernels.cpu``: decode attention over the paged
-cache, the sampler's full-vocabulary passes; built at first use, the torch code as fallback and
-reference), and Triton ones for the GPU path, each with a shape-checking wrapper and a torch reference:
+cache, bfloat16 prefill attention, the sampler's full-vocabulary passes, the decoder layer's
+elementwise steps and the KV store, beam search's candidate step; built at first use, the torch
+code as fallback and reference), and Triton ones for the GPU path, each with a shape-checking wrapper and a torch reference:
 
 - ``paged_attention``: attention of a flattened mixed batch (prefill chunks and decode tokens) over
   the paged KV cache, with grouped-query attention and an optional split-KV (flash-decoding) pass;
