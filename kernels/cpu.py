@@ -1,7 +1,7 @@
 """The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_prefill.cpp``:
 bfloat16 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
-``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store; ``cpu_beam.cpp``: beam
-search's candidate step), built into one shared library at first use.
+``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store;
+``cpu_beam.cpp``: beam search's candidate step), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_attention.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_beam.cpp", HERE / "cpu_prefill.cpp"]
+SOURCES = [HERE / f"{name}.cpp" for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam")]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 

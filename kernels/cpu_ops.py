@@ -1,7 +1,8 @@
 """The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm,
 SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
-temporaries, with torch's rounding points kept in bfloat16; and the KV-cache store (``kv_write``). ``batchgen.model.layers`` uses them on
-the CPU where the library builds (``available``); its torch code is the reference and the fallback."""
+temporaries, with torch's rounding points kept in bfloat16; and the KV-cache store (``kv_write``).
+``batchgen.model.layers`` and ``batchgen.model.attention`` use them on the CPU where the library
+builds (``available``); their torch code is the reference and the fallback."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """``k_cache[h, slots[t]] = k[t, h]`` (and v) for k, v [tokens, kv_heads, dim] (token rows may
     be strided, as views of the fused qkv output) into head-major caches [kv_heads, ..., dim]:
     ``attention.write_kv``'s two ``index_copy_`` calls, which cost 15-50 us each here, as one loop
@@ -86,6 +89,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if v.stride(2) != 1 or v.stride(1) != dim:
         v = v.contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k.dtype == v.dtype == k_cache.dtype
+    assert slots.dtype == torch.int64
     size = k.element_size()
     rc = load().kv_write(
         k.data_ptr(),
@@ -101,4 +105,5 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         per_head,
     )
     if rc:
-        raise IndexError(f"kv_write: a slot outside [0, {per_head}): {slots.tolist()}")
+        bad = slots[(slots < 0) | (slots >= per_head)]
+        raise IndexError(f"kv_write: a slot outside [0, {per_head}): {int(bad[0])} (nothing written)")

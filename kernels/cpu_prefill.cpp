@@ -103,9 +103,10 @@ inline void tile_rows(const uint16_t* const* qrow, const int64_t* pos, int nr, c
     const __m512bh pairs = _mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);  // key 2j, 2j + 1 in lane j
     _mm512_store_si512(w[r], (__m512i)pairs);
   }
-  __m512 a[R][N];
+  __m512 a[R][N];  // rows from nr on are padding: zeros, never stored
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), _mm512_set1_ps(corr[r]));
+    for (int c = 0; c < N; ++c)
+      a[r][c] = r < nr ? _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * c), _mm512_set1_ps(corr[r])) : _mm512_setzero_ps();
   for (int j = 0; j < kTile / 2; ++j) {
     __m512bh wb[R];
     for (int r = 0; r < R; ++r) wb[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r][j]));

@@ -128,13 +128,16 @@ def _softmax(scores: torch.Tensor, layer: LayerAttention, sinks: torch.Tensor | 
     return torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(scores.dtype)
 
 
+def _plain_causal(layer: LayerAttention) -> bool:
+    """Whether a layer's attention is plain causal softmax: no window, soft-capping or sinks."""
+    return layer.window is None and layer.softcap is None and layer.sinks is None
+
+
 def _cpu_flash_takes(q: torch.Tensor, layer: LayerAttention) -> bool:
     """Whether torch's CPU flash-attention kernel, called for its log-sum-exp, runs this layer."""
     return (
         q.device.type == "cpu"
-        and layer.window is None
-        and layer.softcap is None
-        and layer.sinks is None
+        and _plain_causal(layer)
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     )
 
@@ -293,12 +296,7 @@ class CpuAttention(TorchAttention):
     def _prefill(self, q, k_cache, v_cache, chunk, layer):
         """bfloat16 chunks on the compiled prefill kernel (the bf16 dot instruction; torch's flash
         kernel is no faster in bf16 than in float32 here), where it runs; else the torch path."""
-        if (
-            q.dtype == torch.bfloat16
-            and layer.window is None
-            and layer.softcap is None
-            and layer.sinks is None
-        ):
+        if q.dtype == torch.bfloat16 and _plain_causal(layer):
             out = self._prefill_bf16(q, k_cache, v_cache, chunk.block_table, chunk.context_len, layer.scale)
             if out is not None:
                 return out
