@@ -14,8 +14,9 @@ class EngineConfig:
     from ``kv_cache_memory_gb`` (CPU) or ``gpu_memory_utilization`` (CUDA).
     ``max_model_len`` defaults to the model's ``max_position_embeddings``.
     ``max_num_batched_tokens`` is the token budget of one step; longer prompts are prefilled in chunks.
-    ``linear_backend``: "auto" packs CPU weights for oneDNN's GEMM (``batchgen/model/linear.py``),
-    "torch" keeps ``F.linear``; "onednn" is "auto" that fails loudly when packing is impossible.
+    ``linear_backend``: "auto" packs CPU weights for the compiled GEMM kernel, else for oneDNN's
+    GEMM (``batchgen/model/linear.py``); "cpu" and "onednn" take that one or fail loudly where it
+    cannot run; "torch" keeps ``F.linear``.
     ``preemption_mode``: "recompute" frees a preempted group's blocks and computes them again later;
     "swap" moves them to a host pool of ``swap_space_gb`` (pinned memory on CUDA) and back, falling
     back to recompute when that pool is full; "auto" swaps on CUDA and recomputes on the CPU (where
@@ -76,8 +77,8 @@ class EngineConfig:
             raise bad("kv_cache_memory_gb", "> 0")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise bad("attention_backend", "one of auto, torch, cpu, triton")
-        if self.linear_backend not in ("auto", "onednn", "torch"):
-            raise bad("linear_backend", "one of auto, onednn, torch")
+        if self.linear_backend not in ("auto", "cpu", "onednn", "torch"):
+            raise bad("linear_backend", "one of auto, cpu, onednn, torch")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise bad("preemption_mode", "one of auto, recompute, swap")
         if not self.swap_space_gb > 0:

@@ -1,7 +1,8 @@
 """The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_prefill.cpp``:
 bfloat16 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
 ``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store;
-``cpu_beam.cpp``: beam search's candidate step), built into one shared library at first use.
+``cpu_beam.cpp``: beam search's candidate step; ``cpu_gemm.cpp``: linear layers on packed
+weights), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
@@ -21,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f"{name}.cpp" for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam")]
+SOURCES = [HERE / f"{name}.cpp" for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam", "cpu_gemm")]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
@@ -53,6 +54,12 @@ SIGNATURES = {
     "prefill_bf16": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
+    # w, n, k, out
+    "gemm_pack_f32": (_INT, [_P, _I, _I, _P]),
+    "gemm_pack_bf16": (_INT, [_P, _I, _I, _P]),
+    # x, x row stride, m, k, packed w, n, bias (float32 or null), y, y row stride, threads
+    "gemm_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    "gemm_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
 }
 
 

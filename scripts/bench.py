@@ -316,16 +316,20 @@ def mflop_per_token(model_dir: str) -> float:
 
 def gemm_gflops(model_dir: str, backend: str, threads: int, rows: int = 128, dtype: str = "float32") -> float:
     """FLOP rate of the model's own GEMM shapes at a decode batch of ``rows`` (``gemm_shapes``),
-    through ``F.linear`` ("torch") or oneDNN's packed GEMM ("onednn"), as the engine runs them,
-    in ``dtype``."""
+    through ``F.linear`` ("torch"), oneDNN's packed GEMM ("onednn") or the compiled kernel
+    ("cpu"), as the engine runs them, in ``dtype``; 0 where that backend cannot run here."""
     from batchgen.model.linear import Linear
 
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
     shapes = gemm_shapes(model_dir, rows)
-    layers = {
-        (n, k): Linear((torch.randn(n, k) * 0.02).to(dt), pack=backend == "onednn") for _, n, k in set(shapes)
-    }
+    try:
+        layers = {
+            (n, k): Linear((torch.randn(n, k) * 0.02).to(dt), backends=[backend], strict=True)
+            for _, n, k in set(shapes)
+        }
+    except ValueError:
+        return 0.0
     xs = {(r, k): torch.randn(r, k).to(dt) for r, _, k in shapes}
     for r, n, k in shapes:  # warm-up
         layers[n, k](xs[r, k])
@@ -490,22 +494,28 @@ def main() -> None:
     for model in {model_of(w) for w in workloads}:
         rates[model] = {
             b: in_fresh_process(gemm_gflops, model, b, args.threads, 128, args.dtype)
-            for b in ("torch", "onednn")
+            for b in ("torch", "onednn", "cpu")
         }
+        rates[model]["best"] = max(rates[model].values())
         print(
             f"\nGEMM rate of {model}'s shapes at 128 rows ({mflop_per_token(model):.0f} MFLOP per token): "
-            f"F.linear (MKL) {rates[model]['torch']:.0f} GFLOP/s, oneDNN packed {rates[model]['onednn']:.0f} GFLOP/s"
+            f"F.linear (MKL) {rates[model]['torch']:.0f} GFLOP/s, oneDNN packed {rates[model]['onednn']:.0f}, "
+            f"the compiled kernel (cpu_gemm) {rates[model]['cpu']:.0f}"
         )
     print(
-        "| workload | matmul floor tok/s at F.linear rate | at oneDNN rate | batchgen share of the oneDNN floor |"
+        "| workload | matmul floor tok/s at F.linear rate | at oneDNN rate | at the compiled kernel's rate "
+        "| batchgen share of the best floor |"
     )
-    print("| --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- |")
     for r, w in zip(rows, workloads, strict=True):
         model = model_of(w)
         mflop = mflop_per_token(model)
-        lo, hi = floor_tok_s(w, rates[model]["torch"], mflop), floor_tok_s(w, rates[model]["onednn"], mflop)
-        r["floor_tok_s"] = {"torch": lo, "onednn": hi}
-        print(f"| {w.name} | {lo:.0f} | {hi:.0f} | {r['batchgen']['tokens_per_s'] / hi:.0%} |")
+        floors = {b: floor_tok_s(w, rate, mflop) for b, rate in rates[model].items()}
+        r["floor_tok_s"] = floors
+        print(
+            f"| {w.name} | {floors['torch']:.0f} | {floors['onednn']:.0f} | {floors['cpu']:.0f} "
+            f"| {r['batchgen']['tokens_per_s'] / floors['best']:.0%} |"
+        )
     meta = {
         "machine": platform.platform(),
         "cpu": platform.processor(),

@@ -497,7 +497,7 @@ class LLMEngine:
             "num_swap_outs": self.scheduler.num_swap_outs,
             "swapped_blocks": self.scheduler.num_swapped_blocks,
             "rope_recomputes": self.scheduler.num_rope_recomputes,
-            "linear_backend": "onednn" if self.runner.model.lm_head.packed is not None else "torch",
+            "linear_backend": self.runner.model.lm_head.backend,
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **self._stats.kv_figures(),
             **self._stats.step_figures(),

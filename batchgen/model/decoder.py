@@ -22,7 +22,7 @@ from batchgen.model import mxfp4
 from batchgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from batchgen.model.families import family_of
 from batchgen.model.layers import ACTIVATIONS, Rotary, apply_rotary, rms_norm
-from batchgen.model.linear import Linear, packing_wanted
+from batchgen.model.linear import Linear, backends_for
 from batchgen.model.loader import ModelLoadError, iter_weights
 from batchgen.model.moe import (
     Expert,
@@ -110,15 +110,15 @@ class DecoderModel:
         self._max_positions = max_positions
         self._rotaries: dict[str | None, Rotary] = {}
         self.linears: list[Linear] = []  # every projection, expert and router, and the LM head
-        self._pack = packing_wanted(linear_backend, device, dtype)
-        self._strict = linear_backend == "onednn"
+        self._backends = backends_for(linear_backend, device, dtype)
+        self._strict = linear_backend in ("cpu", "onednn")
         self._load(model_dir)
         self._moe_blocks = [lw.mlp for lw in self.layers if isinstance(lw.mlp, MoE)]
         # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
         self.long_rope_after = next((r.long_after for r in self._rotaries.values() if r.long_after), None)
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        layer = Linear(weight, bias, pack=self._pack, strict=self._strict)
+        layer = Linear(weight, bias, backends=self._backends, strict=self._strict)
         self.linears.append(layer)
         return layer
 

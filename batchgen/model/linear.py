@@ -1,17 +1,27 @@
 """Linear layers with weights packed once at load time.
 
-On the CPU, float32 and bfloat16 weights are reordered into oneDNN's blocked GEMM layout and
-multiplied with ``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does with its oneDNN
-GEMMs. ``F.linear`` goes through MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a
-code path that ran the bench model's shapes at about a third of oneDNN's rate (``scripts/bench.py``
-measures both). Each packed layer is checked against ``F.linear`` when it is built; if oneDNN is missing, or
-the check fails, the layer keeps the plain weight and ``F.linear``. On other devices nothing is packed.
+On the CPU, float32 and bfloat16 weights are packed for the compiled GEMM kernel
+(``kernels/cpu_gemm.cpp``: 16-column vectors, a 6-row x 64-column register block), which runs
+the row counts of inference (1-256 rows per call) at 340-450 GFLOP/s in bf16 and 185-225 in
+float32 on 2 cores, where oneDNN's packed GEMM reaches 100-330 and 80-180 below 64 rows.
+Where that kernel is not available (no compiler, a CPU without AVX-512 or, for bf16, AVX-512
+BF16) weights are reordered into oneDNN's blocked layout and multiplied with
+``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. ``F.linear`` goes through
+MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a code path that ran the bench
+model's shapes at about a third of oneDNN's rate (``scripts/bench.py`` measures all three). Each
+packed layer is checked against ``F.linear`` when it is built; if the check fails, the layer
+takes the next backend. On other devices nothing is packed.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kernels.cpu_gemm import PackedWeight
 
 # The packed layout is tuned for a batch size; any batch size runs with it.
 _PACK_HINT_ROWS = 128
@@ -23,40 +33,74 @@ _MAX_ROWS = _ROW_SIZES[-1]
 _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
 
 
-def packing_wanted(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether to pack, for the ``linear_backend`` setting ("auto", "onednn", "torch")."""
-    if backend == "torch":
-        return False
-    possible = (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
-    if backend == "onednn" and not possible:
+BACKENDS = ("auto", "cpu", "onednn", "torch")
+
+
+def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The backends a layer tries in order, for the ``linear_backend`` setting: "auto" is the
+    compiled kernel, else oneDNN, else ``F.linear``; "cpu" and "onednn" are that one alone (an
+    error where it cannot run); "torch" is ``F.linear``."""
+    if setting == "torch":
+        return ["torch"]
+    cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    onednn = cpu and torch.backends.mkldnn.is_available()
+    if setting == "onednn" and not onednn:
         raise ValueError(
             f"linear_backend='onednn' needs a CPU device, float32 or bfloat16 weights and a torch "
             f"built with oneDNN (device {device}, dtype {dtype}, oneDNN "
             f"{torch.backends.mkldnn.is_available()})"
         )
-    return possible
+    if setting == "cpu":
+        from kernels.cpu import available  # noqa: PLC0415
+
+        if not (cpu and available()):
+            raise ValueError(
+                f"linear_backend='cpu' needs a CPU device, float32 or bfloat16 weights and the compiled "
+                f"CPU kernels (device {device}, dtype {dtype}, kernels {cpu and available()})"
+            )
+        return ["cpu"]
+    if setting == "onednn":
+        return ["onednn"]
+    return [b for b, ok in (("cpu", cpu), ("onednn", onednn)) if ok] + ["torch"]
 
 
 class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out, in]; ``weight`` stays readable (tied
-    embeddings read it too)."""
+    embeddings read it too). ``backends``: what to try in order (``backends_for``); ``strict``:
+    raise if the first one cannot run this layer. ``backend`` says which one it runs on."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False, strict: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        backends: tuple[str, ...] | list[str] = ("torch",),
+        strict: bool = False,
     ) -> None:
         self.weight = weight
         self.bias = bias
-        self.packed: torch.Tensor | None = None
-        if pack:
-            self.packed = _pack(weight, bias)
-            if self.packed is None and strict:
-                raise ValueError(f"linear_backend='onednn': oneDNN cannot run a {tuple(weight.shape)} layer")
+        self.packed: torch.Tensor | None = None  # oneDNN's layout
+        self.kernel: PackedWeight | None = None  # the compiled kernel's
+        self.backend = "torch"
+        for backend in backends:
+            if backend == "cpu":
+                self.kernel = _pack_for_kernel(weight, bias)
+            elif backend == "onednn":
+                self.packed = _pack(weight, bias)
+            if backend == "torch" or self.kernel is not None or self.packed is not None:
+                self.backend = backend
+                break
+            if strict:
+                raise ValueError(
+                    f"linear_backend={backend!r}: it cannot run a {tuple(weight.shape)} {weight.dtype} layer"
+                )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            from kernels.cpu_gemm import gemm  # noqa: PLC0415
+
+            lead = x.shape[:-1]
+            out = gemm(x.reshape(-1, x.shape[-1]), self.kernel)
+            return out.view(*lead, out.shape[-1])
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
@@ -75,16 +119,34 @@ class Linear:
         return y[:m] if pad else y
 
 
+def _agrees(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    scale = want.abs().max().clamp(min=1.0)
+    return got.shape == want.shape and bool(((got.float() - want.float()).abs().max() / scale) < tol)
+
+
+def _probe(weight: torch.Tensor) -> torch.Tensor:
+    return torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+
+
+def _pack_for_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight | None:
+    """The weight packed for the compiled kernel, checked on a probe; None where it does not run."""
+    from kernels import cpu_gemm  # noqa: PLC0415
+
+    packed = cpu_gemm.pack(weight, bias)
+    if packed is None:
+        return None
+    probe = _probe(weight)
+    if not _agrees(cpu_gemm.gemm(probe, packed), F.linear(probe, weight, bias), weight.dtype):
+        return None
+    return packed
+
+
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
-        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        probe = _probe(weight)
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-        want = F.linear(probe, weight, bias)
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
-    tol = 1e-3 if weight.dtype == torch.float32 else 5e-2
-    scale = want.abs().max().clamp(min=1.0)
-    if got.shape != want.shape or not bool(((got - want).abs().max() / scale) < tol):
-        return None
-    return packed
+    return packed if _agrees(got, F.linear(probe, weight, bias), weight.dtype) else None

@@ -71,7 +71,7 @@ def test_unknown_engine_setting(llama_dir):
     [
         ("preemption_mode", "swapp", "one of auto, recompute, swap"),
         ("swap_space_gb", 0, "> 0"),
-        ("linear_backend", "mkl", "one of auto, onednn, torch"),
+        ("linear_backend", "mkl", "one of auto, cpu, onednn, torch"),
         ("block_size", 12, "one of 8, 16, 32, 64, 128"),
     ],
 )

@@ -1,5 +1,6 @@
-"""Linear layers: oneDNN's packed GEMM equals ``F.linear``; the engine uses it on the CPU unless
-told otherwise, and the setting is validated."""
+"""Linear layers: the compiled GEMM kernel and oneDNN's packed GEMM equal ``F.linear``; the engine
+uses the kernel on the CPU (oneDNN where the kernel cannot run) unless told otherwise, and the
+setting is validated."""
 
 from __future__ import annotations
 
@@ -7,72 +8,164 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen import LLM
+from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
-from batchgen.model.linear import Linear, packing_wanted
+from batchgen.model.linear import Linear, backends_for
 from batchgen.model.malloc import keep_freed_memory
+from kernels import cpu, cpu_gemm
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def kernel_runs(dtype: torch.dtype) -> bool:
+    return cpu_gemm.pack(torch.zeros(16, 16, dtype=dtype)) is not None
+
+
+def needs_kernel(dtype: torch.dtype):
+    return pytest.mark.skipif(
+        not kernel_runs(dtype), reason=f"no compiled GEMM kernel for {dtype} on this CPU"
+    )
+
+
+def check_against_float64(layer: Linear, w, b, x, rel: float) -> None:
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == w.dtype
+    err = (got.double() - want).abs().max()
+    assert err <= rel * want.abs().max(), (float(err), float(want.abs().max()))
 
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_packed_linear_equals_f_linear(bias, rows):
+def test_onednn_linear_equals_f_linear(bias, rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if bias else None
-    layer = Linear(w, b, pack=True)
-    assert layer.packed is not None
-    x = torch.randn(rows, 80, generator=gen)
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    got = layer(x)
-    assert got.shape == (rows, 96) and got.dtype == torch.float32
-    assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
+    layer = Linear(w, b, backends=["onednn"], strict=True)
+    assert layer.packed is not None and layer.backend == "onednn"
+    check_against_float64(layer, w, b, torch.randn(rows, 80, generator=gen), 1e-4)
     # a non-contiguous input (a slice of a wider activation) gives the same result
     wide = torch.randn(rows, 160, generator=gen)
     assert torch.allclose(layer(wide[:, ::2]), F.linear(wide[:, ::2], w, b), atol=1e-4)
 
 
 @needs_onednn
-def test_packed_linear_bfloat16():
+def test_onednn_linear_bfloat16():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 48, generator=gen).bfloat16()
     x = torch.randn(5, 48, generator=gen).bfloat16()
-    layer = Linear(w, pack=True)
+    layer = Linear(w, backends=["onednn"], strict=True)
     want = F.linear(x.float(), w.float())
     assert layer(x).dtype == torch.bfloat16
     assert ((layer(x).float() - want).abs().max() / want.abs().max()) < 2e-2
 
 
+# Every row count of a 6-row register block's remainder (1-5 and full blocks), columns short of
+# one 16-wide vector, not a multiple of the 4-vector block, split unevenly over two threads.
+@needs_kernel(torch.float32)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 13, 64, 301])
+@pytest.mark.parametrize("n", [5, 16, 88, 200])
+def test_kernel_linear_float32(rows, n):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    k = 72
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if rows % 2 else None
+    layer = Linear(w, b, backends=["cpu"], strict=True)
+    assert layer.kernel is not None and layer.packed is None and layer.backend == "cpu"
+    x = torch.randn(rows, k, generator=gen)
+    check_against_float64(layer, w, b, x, 1e-5)
+    # rows far apart (a view of a wider activation) and a non-unit column stride
+    wide = torch.randn(rows, 3 * k, generator=gen)
+    check_against_float64(layer, w, b, wide[:, k : 2 * k], 1e-5)
+    check_against_float64(layer, w, b, wide[:, ::3], 1e-5)
+    # leading dimensions are kept
+    assert layer(x.view(1, rows, k)).shape == (1, rows, n)
+
+
+@needs_kernel(torch.bfloat16)
+@pytest.mark.parametrize("rows", [1, 5, 6, 40, 257])
+@pytest.mark.parametrize("n", [7, 48, 200])
+def test_kernel_linear_bfloat16(rows, n):
+    """Products of bf16 values are exact in float32; the one rounding is the output's to bf16, so
+    the error is at most half a bf16 ulp of the result (2^-9 relative) plus float32 summation."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    k = 96
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if rows % 2 else None
+    layer = Linear(w, b, backends=["cpu"], strict=True)
+    assert layer.kernel is not None and layer.backend == "cpu"
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = layer(x).double()
+    assert layer(x).dtype == torch.bfloat16
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+    # the same as rounding the float32 result once
+    assert (got - want.float().bfloat16().double()).abs().max() <= 2**-7 * want.abs().max()
+    wide = torch.randn(rows, 2 * k, generator=gen).bfloat16()
+    assert torch.equal(layer(wide[:, k:]), layer(wide[:, k:].contiguous()))
+
+
+@needs_onednn
+def test_kernel_declines_an_odd_bfloat16_width():
+    """The bf16 layout pairs input columns; an odd count falls back to oneDNN under "auto"."""
+    w = torch.randn(32, 33).bfloat16()
+    assert cpu_gemm.pack(w) is None
+    assert Linear(w, backends=["cpu", "onednn", "torch"]).backend == "onednn"
+    with pytest.raises(
+        ValueError, match="linear_backend='cpu': it cannot run a \\(32, 33\\) torch.bfloat16 layer"
+    ):
+        Linear(w, backends=["cpu"], strict=True)
+
+
 def test_linear_backend_setting():
-    cpu = torch.device("cpu")
-    assert not packing_wanted("torch", cpu, torch.float32)
-    assert not packing_wanted("auto", cpu, torch.float16)  # oneDNN fp16 GEMMs are not used
+    dev = torch.device("cpu")
+    assert backends_for("torch", dev, torch.float32) == ["torch"]
+    assert backends_for("auto", dev, torch.float16) == ["torch"]  # no fp16 GEMMs but F.linear's
+    assert backends_for("auto", torch.device("cuda"), torch.bfloat16) == ["torch"]
+    if cpu.available() and torch.backends.mkldnn.is_available():
+        assert backends_for("auto", dev, torch.bfloat16) == ["cpu", "onednn", "torch"]
     with pytest.raises(ValueError, match="linear_backend='onednn' needs a CPU device"):
-        packing_wanted("onednn", torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(ValueError, match="linear_backend must be one of auto, onednn, torch, got 'mkl'"):
+        backends_for("onednn", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_backend='cpu' needs a CPU device"):
+        backends_for("cpu", dev, torch.float16)
+    with pytest.raises(ValueError, match="linear_backend must be one of auto, cpu, onednn, torch, got 'mkl'"):
         EngineConfig(model="m", linear_backend="mkl")
 
 
 @needs_onednn
+@needs_kernel(torch.float32)
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
 def test_engine_packs_its_cpu_weights_unless_told_not_to(tmp_path, arch):
     from batchgen.tiny import make_model
 
     path = str(make_model(tmp_path / arch, arch))
     llm = LLM(path, dtype="float32", device="cpu")
-    assert llm.stats()["linear_backend"] == "onednn"
+    assert llm.stats()["linear_backend"] == "cpu"
     packed = llm.engine.runner.model
     # qkv, o and the MLP's two per layer, and the LM head; the one MoE layer (of 2) has a router,
     # two per expert (6) and the shared expert's two and its gate in place of the MLP's two
     moe = 1 + 2 * 6 + 3 - 2 if arch == "qwen2_moe" else 0
     assert len(packed.linears) == 4 * 2 + 1 + moe
-    assert all(layer.packed is not None for layer in packed.linears)
+    assert all(layer.kernel is not None for layer in packed.linears)
+    onednn_llm = LLM(path, dtype="float32", device="cpu", linear_backend="onednn")
+    assert onednn_llm.stats()["linear_backend"] == "onednn"
+    assert all(
+        layer.packed is not None and layer.kernel is None for layer in onednn_llm.engine.runner.model.linears
+    )
     plain_llm = LLM(path, dtype="float32", device="cpu", linear_backend="torch")
     assert plain_llm.stats()["linear_backend"] == "torch"
     plain = plain_llm.engine.runner.model
-    assert plain.lm_head.packed is None and plain.layers[0].qkv.packed is None
+    assert (
+        plain.lm_head.packed is None and plain.lm_head.kernel is None and plain.layers[0].qkv.kernel is None
+    )
+    # the three give the same greedy tokens
+    prompts = [[5, 9, 2, 7], [3, 3, 8]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = [
+        [o.outputs[0].token_ids for o in m.generate(prompts, params)] for m in (llm, onednn_llm, plain_llm)
+    ]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_freed_memory_stays_in_the_process():
