@@ -1,5 +1,5 @@
 """The compiled CPU kernels (``cpu_attention.cpp``: paged decode attention; ``cpu_prefill.cpp``:
-bfloat16 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
+prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
 ``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store;
 ``cpu_beam.cpp``: beam search's candidate step; ``cpu_gemm.cpp``: linear layers on packed
 weights), built into one shared library at first use.
@@ -52,6 +52,7 @@ SIGNATURES = {
     "rotary_bf16": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
     # q, k, v, table, n, ctx, heads, kv_heads, dim, num_blocks, block_size, scale, out, threads
     "prefill_bf16": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
+    "prefill_f32": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
     # w, n, k, out

@@ -3,9 +3,9 @@ the attention backend that uses it.
 
 The kernel reads each decode row's keys and values in place from the paged caches and runs an
 online softmax, instead of the torch path's gathered copies, masked score matrices and separate
-softmax. bfloat16 prefill chunks run on ``cpu_prefill.cpp`` (``prefill_bf16``: the bf16 dot
-instruction, 2-4x torch's flash kernel, which is no faster in bf16 than in float32 here); float32
-ones stay on the torch path (``scaled_dot_product_attention``).
+softmax. Prefill chunks run on ``cpu_prefill.cpp`` (``prefill``: in bfloat16 on the bf16 dot
+instruction, 2-4x torch's flash kernel, which is no faster in bf16 than in float32 here; in
+float32 on FMA products), the torch path (``scaled_dot_product_attention``) where it does not run.
 ``batchgen.model.attention.CpuAttention`` is the backend that uses both; ``attention_backend="auto"``
 picks it on the CPU where it builds and takes the model's shapes (``supports``), and keeps the
 torch backend otherwise.
@@ -17,7 +17,7 @@ import torch
 
 from kernels.cpu import KernelUnavailable, load
 
-__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "prefill_bf16", "supports"]
+__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "prefill", "supports"]
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -103,27 +103,29 @@ def paged_decode(
     return out
 
 
-def prefill_bf16(
-    q: torch.Tensor,  # [n, heads, dim] bfloat16: positions ctx - n .. ctx - 1
-    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim] bfloat16
+def prefill(
+    q: torch.Tensor,  # [n, heads, dim] float32 or bfloat16: positions ctx - n .. ctx - 1
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim], q's dtype
     v_cache: torch.Tensor,
     table: torch.Tensor,  # [blocks] int64: the sequence's block table, covering ctx positions
     context_len: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """Causal attention of a bfloat16 prefill chunk over its paged context on the bf16 dot
-    instruction (``cpu_prefill.cpp``), without a window, soft-capping or sinks; None where the
-    kernel does not run (no AVX-512 BF16 compiled in, head_dim other than 64 or 128, more than 16
-    query heads per kv head), and the caller keeps torch's kernel."""
+    """Causal attention of a prefill chunk over its paged context (``cpu_prefill.cpp``: bfloat16 on
+    the bf16 dot instruction, float32 on FMA products), without a window, soft-capping or sinks;
+    None where the kernel does not run (no AVX-512 compiled in, or for bf16 no AVX-512 BF16;
+    head_dim other than 64 or 128, more than 16 query heads per kv head), and the caller keeps
+    torch's kernel."""
     n, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and table.dtype == torch.int64
     assert table.numel() * block_size >= context_len >= n
     q = q.contiguous()
     table = table.contiguous()
     out = torch.empty_like(q)
-    rc = load().prefill_bf16(
+    fn = load().prefill_bf16 if q.dtype == torch.bfloat16 else load().prefill_f32
+    rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -1,7 +1,7 @@
 """GEMM rates of the CPU linear backends by row count: the compiled kernel ("cpu"), oneDNN's packed
 GEMM ("onednn") and ``F.linear`` ("torch"), through ``batchgen.model.linear.Linear`` as the engine
-calls them, on the given [N, K] shapes (default: bench-56m's fused qkv, gate/up, down and LM head,
-and bench-deep's qkv).
+calls them, on the [N, K] shapes of the bench models: bench-56m's fused qkv (also bench-moe's
+experts' gate/up), gate/up, down and LM head, bench-moe's experts' down, bench-deep's qkv.
 
     python scripts/gemm_rates.py [--dtype float32|bfloat16] [--threads 2] [--rows 1 8 32 ...]
 """
@@ -15,7 +15,7 @@ import torch
 
 from batchgen.model.linear import Linear
 
-SHAPES = [(768, 512), (2048, 512), (512, 1024), (32000, 512), (960, 576)]
+SHAPES = [(768, 512), (3072, 512), (512, 1536), (32000, 512), (512, 384), (960, 576)]
 
 
 def gflops(layer: Linear, x: torch.Tensor, n: int) -> float:

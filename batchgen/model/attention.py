@@ -279,25 +279,33 @@ class CpuAttention(TorchAttention):
     """The torch backend with its decode rows on the compiled CPU kernel
     (``kernels.cpu_attention.paged_decode``): each row's keys and values read in place from the
     paged caches, one online softmax, no gathered copies. The runner gives decode rows as per-row
-    block tables (``decode_rows``), not shared-prefix groups. bfloat16 prefill chunks run on the
-    compiled prefill kernel (``kernels.cpu_attention.prefill_bf16``), float32 ones as in the torch
+    block tables (``decode_rows``), not shared-prefix groups. Prefill chunks of plain causal layers
+    run on the compiled prefill kernel (``kernels.cpu_attention.prefill``), others as in the torch
     backend."""
 
     decode_rows = True
+    # float32 chunks over longer contexts keep torch's flash kernel: per layer at bench-56m's
+    # shapes the kernel took 0.19 / 3.55 / 11.5 / 44.1 ms for 128 / 512 / 1,024 / 2,048-token
+    # prompts against torch's 0.46 / 4.97 / 13.8 / 45.1, and 282 against 254 ms for 2,048 tokens
+    # after 6,144 cached (FMA products run at half the bf16 dot instruction's rate).
+    F32_PREFILL_MAX_CONTEXT = 2048
 
     def __init__(self) -> None:
         super().__init__()
-        from kernels.cpu_attention import load, paged_decode, prefill_bf16  # noqa: PLC0415
+        from kernels.cpu_attention import load, paged_decode, prefill  # noqa: PLC0415
 
         load()  # builds the library on first use; KernelUnavailable where it cannot
         self._paged_decode = paged_decode
-        self._prefill_bf16 = prefill_bf16
+        self._prefill_kernel = prefill
 
     def _prefill(self, q, k_cache, v_cache, chunk, layer):
-        """bfloat16 chunks on the compiled prefill kernel (the bf16 dot instruction; torch's flash
-        kernel is no faster in bf16 than in float32 here), where it runs; else the torch path."""
-        if q.dtype == torch.bfloat16 and _plain_causal(layer):
-            out = self._prefill_bf16(q, k_cache, v_cache, chunk.block_table, chunk.context_len, layer.scale)
+        """Chunks on the compiled prefill kernel (bf16 on the dot instruction: torch's flash kernel
+        is no faster in bf16 than in float32 here; float32 on FMA products up to
+        ``F32_PREFILL_MAX_CONTEXT`` positions), where it runs; else the torch path."""
+        if _plain_causal(layer) and (
+            q.dtype != torch.float32 or chunk.context_len <= self.F32_PREFILL_MAX_CONTEXT
+        ):
+            out = self._prefill_kernel(q, k_cache, v_cache, chunk.block_table, chunk.context_len, layer.scale)
             if out is not None:
                 return out
         return super()._prefill(q, k_cache, v_cache, chunk, layer)

@@ -1,14 +1,15 @@
-"""The compiled bfloat16 prefill attention (``kernels/cpu_prefill.cpp``) against a float64
-reference and against torch's own bf16 kernel on the same inputs: chunks from the start of a
+"""The compiled prefill attention (``kernels/cpu_prefill.cpp``), bfloat16 and float32, against a
+float64 reference and against torch's own kernel on the same inputs: chunks from the start of a
 sequence and after cached positions, contexts on and off tile and block boundaries, 1 to 16 query
 heads per kv head, head_dim 64 and 128, block sizes 8 to 32, scrambled block tables whose unused
 slots hold NaN; and an engine on it against the torch path on the same model.
 
-Tolerance: the kernel rounds the softmax weights to bf16 before the weighted sum, as torch's flash
-kernel does for bf16, and accumulates in float32, so its error against the exact result is a
-bf16 rounding of the output plus that of the weights. It must be no larger than torch's kernel's
-error on the same bf16 inputs (mean within 25% of it, maximum within twice it), and each output
-within 2^-7 of the reference's largest magnitude.
+Tolerance: in bf16 the kernel rounds the softmax weights to bf16 before the weighted sum, as
+torch's flash kernel does for bf16, and accumulates in float32, so its error against the exact
+result is a bf16 rounding of the output plus that of the weights. In both dtypes its error must be
+no larger than torch's kernel's on the same inputs (mean within 25% of it, maximum within twice
+it, plus 1e-6), and each output within 2^-7 (bf16) or 1e-5 (float32) of the reference's largest
+magnitude.
 """
 
 from __future__ import annotations
@@ -20,29 +21,42 @@ import torch.nn.functional as F
 from batchgen import LLM, SamplingParams
 from batchgen.model.attention import CpuAttention, TorchAttention
 from kernels import cpu
-from kernels.cpu_attention import bf16_dot_products, prefill_bf16
+from kernels.cpu_attention import prefill
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
 if cpu.compiler() is None:
     pytest.skip("no C++ compiler: prefill chunks keep torch's kernel", allow_module_level=True)
 
-runs = pytest.mark.skipif(not bf16_dot_products(), reason="no AVX-512 BF16: prefill chunks keep torch's kernel")
+
+def kernel_takes(dtype: torch.dtype) -> bool:
+    q = torch.zeros((1, 1, 64), dtype=dtype)
+    kc = torch.zeros((1, 1, 16, 64), dtype=dtype)
+    return prefill(q, kc, kc, torch.zeros(1, dtype=torch.int64), 1, 1.0) is not None
 
 
-def chunk(gen, n, ctx, heads, kvh, d, bs):
+DTYPES = [
+    pytest.param(
+        dt, marks=pytest.mark.skipif(not kernel_takes(dt), reason=f"no AVX-512 for {dt}: torch's kernel")
+    )
+    for dt in (torch.bfloat16, torch.float32)
+]
+TOLERANCE = {torch.bfloat16: 2**-7, torch.float32: 1e-5}
+
+
+def chunk(gen, n, ctx, heads, kvh, d, bs, dtype=torch.bfloat16):
     """n queries (positions ctx - n .. ctx - 1) over a scrambled block table of ctx keys; the
     cache's other slots, and the last block's slots past ctx, hold NaN."""
     blocks = -(-ctx // bs)
     num_blocks = blocks + 3
     table = torch.randperm(num_blocks, generator=gen)[:blocks].clone()
-    kc = torch.full((kvh, num_blocks, bs, d), float("nan"), dtype=torch.bfloat16)
+    kc = torch.full((kvh, num_blocks, bs, d), float("nan"), dtype=dtype)
     vc = kc.clone()
-    keys = torch.randn((kvh, ctx, d), generator=gen).to(torch.bfloat16)
-    values = torch.randn((kvh, ctx, d), generator=gen).to(torch.bfloat16)
+    keys = torch.randn((kvh, ctx, d), generator=gen).to(dtype)
+    values = torch.randn((kvh, ctx, d), generator=gen).to(dtype)
     for i in range(ctx):
         kc[:, table[i // bs], i % bs] = keys[:, i]
         vc[:, table[i // bs], i % bs] = values[:, i]
-    q = (torch.randn((n, heads, d), generator=gen) * 2).to(torch.bfloat16)
+    q = (torch.randn((n, heads, d), generator=gen) * 2).to(dtype)
     return q, kc, vc, table, keys, values
 
 
@@ -59,8 +73,8 @@ def reference(q, keys, values, scale):
     return (torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v).transpose(0, 1)
 
 
-def torch_bf16(q, keys, values, scale):
-    """torch's bf16 kernel on the same inputs (the flash kernel, as the torch path calls it)."""
+def torch_kernel(q, keys, values, scale):
+    """torch's kernel on the same inputs (the flash kernel, as the torch path calls it)."""
     n, ctx = q.shape[0], keys.shape[1]
     visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
     o = F.scaled_dot_product_attention(
@@ -85,38 +99,38 @@ SHAPES = [  # n, ctx, heads, kv_heads, head_dim, block_size
 ]
 
 
-@runs
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-d{}-bs{}".format(*s))
-def test_prefill_matches_reference_as_closely_as_torch(shape):
+def test_prefill_matches_reference_as_closely_as_torch(shape, dtype):
     n, ctx, heads, kvh, d, bs = shape
     gen = torch.Generator().manual_seed(n * 1000 + ctx)
-    q, kc, vc, table, keys, values = chunk(gen, n, ctx, heads, kvh, d, bs)
+    q, kc, vc, table, keys, values = chunk(gen, n, ctx, heads, kvh, d, bs, dtype)
     scale = d**-0.5
-    out = prefill_bf16(q, kc, vc, table, ctx, scale)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    out = prefill(q, kc, vc, table, ctx, scale)
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     want = reference(q, keys, values, scale)
     ours = (out.double() - want).abs()
-    theirs = (torch_bf16(q, keys, values, scale).double() - want).abs()
+    theirs = (torch_kernel(q, keys, values, scale).double() - want).abs()
     assert ours.mean() <= 1.25 * theirs.mean() + 1e-6
     assert ours.max() <= 2 * theirs.max() + 1e-6
-    assert ours.max() <= 2**-7 * want.abs().max()
+    assert ours.max() <= TOLERANCE[dtype] * want.abs().max()
 
 
-@runs
-def test_each_query_sees_exactly_its_own_prefix():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_query_sees_exactly_its_own_prefix(dtype):
     """Values of one-hot keys: query i's output is the average of the values it sees when every
     score is equal (zero queries), so any key seen too many or too few shows at once."""
     n, ctx, heads, kvh, d, bs = 50, 80, 4, 1, 64, 16
     gen = torch.Generator().manual_seed(0)
-    _, kc, vc, table, _, _ = chunk(gen, n, ctx, heads, kvh, d, bs)
+    _, kc, vc, table, _, _ = chunk(gen, n, ctx, heads, kvh, d, bs, dtype)
     values = torch.zeros((kvh, ctx, d))
     values[0, :, 0] = torch.arange(ctx, dtype=torch.float32) / 128  # exact in bf16
     for i in range(ctx):
-        vc[:, table[i // bs], i % bs] = values[:, i].to(torch.bfloat16)
+        vc[:, table[i // bs], i % bs] = values[:, i].to(dtype)
         kc[:, table[i // bs], i % bs] = 0
-    q = torch.zeros((n, heads, d), dtype=torch.bfloat16)
-    out = prefill_bf16(q, kc, vc, table, ctx, 0.125)
+    q = torch.zeros((n, heads, d), dtype=dtype)
+    out = prefill(q, kc, vc, table, ctx, 0.125)
     assert out is not None
     positions = torch.arange(ctx - n, ctx, dtype=torch.float64)
     mean_seen = positions / 2 / 128  # the mean of 0 .. p, over 128
@@ -126,30 +140,40 @@ def test_each_query_sees_exactly_its_own_prefix():
 
 def test_prefill_declines_shapes_it_does_not_take():
     gen = torch.Generator().manual_seed(1)
-    for heads, kvh, d in [(4, 1, 32), (34, 2, 64)]:  # head_dim 32; 17 query heads per kv head
-        q, kc, vc, table, _, _ = chunk(gen, 4, 4, heads, kvh, d, 16)
-        assert prefill_bf16(q, kc, vc, table, 4, d**-0.5) is None
+    for dtype in (torch.bfloat16, torch.float32):
+        for heads, kvh, d in [(4, 1, 32), (34, 2, 64)]:  # head_dim 32; 17 query heads per kv head
+            q, kc, vc, table, _, _ = chunk(gen, 4, 4, heads, kvh, d, 16, dtype)
+            assert prefill(q, kc, vc, table, 4, d**-0.5) is None
 
 
 @pytest.fixture(scope="module")
 def head64_dir(tmp_path_factory):
     from batchgen.tiny import make_model
 
-    return str(make_model(tmp_path_factory.mktemp("p64") / "m", "llama", seed=7, hidden_size=256, num_heads=4, num_kv_heads=1))
+    return str(
+        make_model(
+            tmp_path_factory.mktemp("p64") / "m",
+            "llama",
+            seed=7,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=1,
+        )
+    )
 
 
-@runs
-def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeypatch):
-    """bf16 greedy with chunked prefill (chunks after cached positions) and a cached shared prefix,
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeypatch, dtype):
+    """Greedy with chunked prefill (chunks after cached positions) and a cached shared prefix,
     prompts through the kernel and through torch's kernel: the same tokens, and log-probabilities
-    that differ by bf16 rounding only (mean at most 0.05 nats, each at most 0.2: the two kernels
+    that differ by rounding only: in bf16 mean at most 0.05 nats, each at most 0.2 (the two kernels
     round weights and outputs at different points, and 2 layers over ~200-token prompts of a random
     model carry that to the logits; the same prompts in float32 differ from either by 0.2 nats on
-    average); and the kernel did run."""
+    average), in float32 1e-4 (float32 summation order); and the kernel did run."""
     import kernels.cpu_attention as ca
 
     calls = []
-    kernel = ca.prefill_bf16
+    kernel = ca.prefill
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
@@ -160,11 +184,17 @@ def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeyp
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
 
     def run():
-        llm = LLM(head64_dir, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True)
+        llm = LLM(
+            head64_dir,
+            dtype=str(dtype).removeprefix("torch."),
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=True,
+        )
         assert isinstance(llm.engine.runner.backend, CpuAttention)
         return llm.generate(prompts, params, use_tqdm=False)
 
-    monkeypatch.setattr(ca, "prefill_bf16", counted)
+    monkeypatch.setattr(ca, "prefill", counted)
     ours = run()
     assert calls and max(calls) > 1
     monkeypatch.setattr(CpuAttention, "_prefill", TorchAttention._prefill)
@@ -177,4 +207,5 @@ def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeyp
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             (tok,) = set(x) & set(y)
             diffs.append(abs(x[tok].logprob - y[tok].logprob))
-    assert max(diffs) <= 0.2 and sum(diffs) / len(diffs) <= 0.05
+    most, mean = (0.2, 0.05) if dtype == torch.bfloat16 else (1e-4, 1e-5)
+    assert max(diffs) <= most and sum(diffs) / len(diffs) <= mean
