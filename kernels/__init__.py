@@ -1,5 +1,5 @@
 """Kernels: compiled C++ ones for the CPU path (``kernels.cpu``: decode attention over the paged
-cache, bfloat16 prefill attention, the sampler's full-vocabulary passes, the decoder layer's
+cache, prefill attention, the sampler's full-vocabulary passes, the decoder layer's
 elementwise steps and the KV store, beam search's candidate step, linear layers on packed
 weights; built at first use, the torch
 code as fallback and reference), and Triton ones for the GPU path, each with a shape-checking wrapper and a torch reference:
