@@ -5,7 +5,7 @@ prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary pas
 weights), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
-Python headers, no downloads; about five seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
+Python headers, no downloads; about 15 seconds) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``), under a
 name keyed by the sources, the flags, the compiler and the CPU, and loaded with ctypes. It links
 OpenMP by soname, so it shares torch's OpenMP runtime (one thread pool). Where it cannot be built,
 ``load`` raises ``KernelUnavailable`` and callers keep their torch code, which stays the reference.
@@ -22,7 +22,10 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f"{name}.cpp" for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam", "cpu_gemm")]
+SOURCES = [
+    HERE / f"{name}.cpp"
+    for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam", "cpu_gemm")
+]
 HEADERS = [HERE / "cpu_simd.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
