@@ -49,6 +49,27 @@ constexpr int kTile = 32;       // keys per tile (two 16-key chunks)
 constexpr int kItemRows = 64;   // query rows per work item, at most
 constexpr int kMaxGroup = 16;   // query heads per kv head
 
+// One tile's online-softmax step for one row: its scaled scores x0 (keys t0 .. t0 + 15) and x1
+// (t0 + 16 .. t0 + 31), keys past ``last`` (an index in the tile) masked, become the tile's weights
+// exp(x - new max); the running maximum m and sum l are updated. Returns the factor that rescales
+// the row's earlier sums.
+inline float softmax_tile(v16& x0, v16& x1, int last, float& m, float& l) {
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 minus_inf = v16{} - INFINITY;
+  if (last < kTile - 1) {
+    x0 = iota > last ? minus_inf : x0;
+    x1 = iota + 16 > last ? minus_inf : x1;
+  }
+  const float tile_max = hmax(x0 > x1 ? x0 : x1);
+  const float mx = tile_max > m ? tile_max : m;
+  const float corr = m == -INFINITY ? 0.0f : exp_nonpositive(m - mx);
+  m = mx;
+  x0 = exp16(x0 - mx);
+  x1 = exp16(x1 - mx);
+  l = l * corr + hsum(x0 + x1);
+  return corr;
+}
+
 // float32: keys transposed, kt [padded / 16][D][16] (dim d of 16 keys in one vector), values as
 // they are, vf [padded][D]. Positions from ctx on stay zeros, as in the bf16 layouts below.
 template <int D>
@@ -69,8 +90,6 @@ template <int N, int R>
 inline void tile_rows_f32(const float* const* qrow, const int64_t* pos, int nr, const float* kt_tile,
                           const float* v_tile, int64_t t0, float scale, float* m, float* l, float (*acc)[16 * N]) {
   constexpr int D = 16 * N;
-  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 minus_inf = v16{} - INFINITY;
   __m512 s[R][2];
   for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
   const float* qr[R];
@@ -92,18 +111,8 @@ inline void tile_rows_f32(const float* const* qrow, const int64_t* pos, int nr, 
       for (int j = 0; j < kTile; ++j) w[r][j] = 0.0f;
       continue;
     }
-    const int last = static_cast<int>(pos[r] - t0);
-    v16 x0 = (v16)s[r][0] * scale, x1 = (v16)s[r][1] * scale;
-    if (last < kTile - 1) {
-      x0 = iota > last ? minus_inf : x0;
-      x1 = iota + 16 > last ? minus_inf : x1;
-    }
-    const float tile_max = hmax(x0 > x1 ? x0 : x1);
-    const float mx = tile_max > m[r] ? tile_max : m[r];
-    corr[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
-    m[r] = mx;
-    const v16 e0 = exp16(x0 - mx), e1 = exp16(x1 - mx);
-    l[r] = l[r] * corr[r] + hsum(e0 + e1);
+    v16 e0 = (v16)s[r][0] * scale, e1 = (v16)s[r][1] * scale;
+    corr[r] = softmax_tile(e0, e1, static_cast<int>(pos[r] - t0), m[r], l[r]);
     store16(w[r], e0);
     store16(w[r] + 16, e1);
   }
@@ -153,8 +162,6 @@ template <int N, int R>  // N: head_dim / 16
 inline void tile_rows(const uint16_t* const* qrow, const int64_t* pos, int nr, const uint32_t* kt_tile,
                       const uint16_t* vi_tile, int64_t t0, float scale, float* m, float* l, float (*acc)[16 * N]) {
   constexpr int D = 16 * N;
-  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 minus_inf = v16{} - INFINITY;
   __m512 s[R][2];
   for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
   const uint32_t* q32[R];
@@ -176,18 +183,8 @@ inline void tile_rows(const uint16_t* const* qrow, const int64_t* pos, int nr, c
       for (int j = 0; j < 16; ++j) w[r][j] = 0;
       continue;
     }
-    const int last = static_cast<int>(pos[r] - t0);  // the last visible key of the tile, as an index in it
-    v16 x0 = (v16)s[r][0] * scale, x1 = (v16)s[r][1] * scale;
-    if (last < kTile - 1) {
-      x0 = iota > last ? minus_inf : x0;
-      x1 = iota + 16 > last ? minus_inf : x1;
-    }
-    const float tile_max = hmax(x0 > x1 ? x0 : x1);
-    const float mx = tile_max > m[r] ? tile_max : m[r];
-    corr[r] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - mx);
-    m[r] = mx;
-    const v16 e0 = exp16(x0 - mx), e1 = exp16(x1 - mx);
-    l[r] = l[r] * corr[r] + hsum(e0 + e1);
+    v16 e0 = (v16)s[r][0] * scale, e1 = (v16)s[r][1] * scale;  // pos[r] - t0: the last visible key
+    corr[r] = softmax_tile(e0, e1, static_cast<int>(pos[r] - t0), m[r], l[r]);
     const __m512bh pairs = _mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0);  // key 2j, 2j + 1 in lane j
     _mm512_store_si512(w[r], (__m512i)pairs);
   }
