@@ -10,13 +10,14 @@ import torch
 
 from kernels.cpu import available, load
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# the kernels' name suffix per dtype (cpu_gemm uses it too)
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels run on these tensors: CPU, one dtype, float32 or bfloat16."""
     dtype = tensors[0].dtype
-    if dtype not in _SUFFIX:
+    if dtype not in DTYPE_SUFFIX:
         return False
     for t in tensors:
         if t.dtype != dtype or t.device.type != "cpu":
@@ -29,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     dim = x.shape[-1]
     out = torch.empty_like(x)
-    fn = getattr(load(), "rms_norm_" + _SUFFIX[x.dtype])
+    fn = getattr(load(), "rms_norm_" + DTYPE_SUFFIX[x.dtype])
     fn(
         x.data_ptr(),
         weight.contiguous().data_ptr(),
@@ -47,7 +48,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    fn = getattr(load(), "silu_mul_" + _SUFFIX[gate_up.dtype])
+    fn = getattr(load(), "silu_mul_" + DTYPE_SUFFIX[gate_up.dtype])
     fn(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -60,7 +61,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    fn = getattr(load(), "rotary_" + _SUFFIX[x.dtype])
+    fn = getattr(load(), "rotary_" + DTYPE_SUFFIX[x.dtype])
     fn(
         x.data_ptr(),
         x.stride(0),

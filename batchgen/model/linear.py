@@ -56,7 +56,7 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
         if not (cpu and available()):
             raise ValueError(
                 f"linear_backend='cpu' needs a CPU device, float32 or bfloat16 weights and the compiled "
-                f"CPU kernels (device {device}, dtype {dtype}, kernels {cpu and available()})"
+                f"CPU kernels (device {device}, dtype {dtype}, kernels built: {available()})"
             )
         return ["cpu"]
     if setting == "onednn":
@@ -96,11 +96,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            from kernels.cpu_gemm import gemm  # noqa: PLC0415
-
-            lead = x.shape[:-1]
-            out = gemm(x.reshape(-1, x.shape[-1]), self.kernel)
-            return out.view(*lead, out.shape[-1])
+            out = self.kernel(x.reshape(-1, x.shape[-1]))
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
@@ -137,7 +134,7 @@ def _pack_for_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedW
     if packed is None:
         return None
     probe = _probe(weight)
-    if not _agrees(cpu_gemm.gemm(probe, packed), F.linear(probe, weight, bias), weight.dtype):
+    if not _agrees(packed(probe), F.linear(probe, weight, bias), weight.dtype):
         return None
     return packed
 
