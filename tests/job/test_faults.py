@@ -222,7 +222,7 @@ def test_rows_without_an_id_are_known_by_their_position(tmp_path, llama_dir):
 
 
 def test_a_second_job_on_the_same_output_is_refused(tmp_path, llama_dir):
-    n = 150
+    n = 400  # enough rows that the first job is still writing when the second one starts
     config = write_config(tmp_path, llama_dir, parquet_input(tmp_path, n), GEN,
                           output={"rows_per_shard": 5, "flush_seconds": 0.5}, **SLOW)
     first = start_job(config)
