@@ -42,6 +42,8 @@ SIGNATURES = {
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads
     "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
+    # adjusted, raw, rows, vocab, token, raw_lse, threads
+    "greedy_pick": (None, [_P, _P, _I, _I, _P, _P, _INT]),
     # x, w, rows, dim, eps, out, threads
     "rms_norm_f32": (None, [_P, _P, _I, _I, _F, _P, _INT]),
     "rms_norm_bf16": (None, [_P, _P, _I, _I, _F, _P, _INT]),
@@ -64,6 +66,9 @@ SIGNATURES = {
     # x, x row stride, m, k, packed w, n, bias (float32 or null), y, y row stride, threads
     "gemm_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    "gemm_bf16_widened": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    "gemm_gated_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
 }
 
 

@@ -15,9 +15,16 @@
 //   4 weight vectors are loaded, each row's x value (pair) broadcast, 24 FMAs (dot products). The
 //   64 columns' panel of W (K x 64 values) stays in L2 while every block of rows passes over it.
 //
+//   Gated ([gate; up] of a SwiGLU MLP): the columns are packed gate vector i, up vector i, gate
+//   vector i + 1, ... so that a register block holds gates and ups of the same outputs; the
+//   epilogue writes silu(gate) * up (the MLP's hidden activation, half the columns) instead of
+//   both, with the rounding points of cpu_ops.cpp's silu_mul in bf16 (gate and up rounded to bf16,
+//   silu(gate) rounded, the product rounded): one pass where the GEMM and silu_mul took two.
+//
 // Threads take contiguous ranges of column vectors (no reduction across threads). Accumulation is
 // float32 from the bias (float32); the bf16 output is rounded to nearest even, as oneDNN and
-// torch round a bf16 GEMM's float32 accumulators. Without AVX-512 (and AVX-512 BF16 for bf16)
+// torch round a bf16 GEMM's float32 accumulators, and can be written widened to float32 (the LM
+// head's logits: ``(x @ W^T).float()`` in one pass). Without AVX-512 (and AVX-512 BF16 for bf16)
 // the entry points return 1 and the caller keeps oneDNN or F.linear; tests/model/test_linear.py
 // checks both against F.linear in float64.
 
@@ -36,6 +43,8 @@
 
 #include <omp.h>
 
+#include "cpu_simd.h"
+
 namespace {
 
 constexpr int kRows = 6;  // rows per register block
@@ -45,9 +54,26 @@ constexpr int kCols = 4;  // column vectors per register block
 
 inline __mmask16 lanes(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
+// silu(gate) * up for the gate / up vector pairs of one row's accumulators; ``Bf16``: each
+// intermediate rounded to bf16 where torch rounds it
+template <int C, bool Bf16>
+inline void gated_row(const __m512* acc, float* out) {
+  for (int c = 0; c < C; c += 2) {
+    batchgen::v16 g, u;
+    std::memcpy(&g, &acc[c], sizeof g);
+    std::memcpy(&u, &acc[c + 1], sizeof u);
+    if constexpr (Bf16) g = batchgen::round_bf16(g), u = batchgen::round_bf16(u);
+    batchgen::v16 s = batchgen::silu16(g);
+    if constexpr (Bf16) s = batchgen::round_bf16(s);
+    s *= u;
+    std::memcpy(out + c / 2 * 16, &s, sizeof s);
+  }
+}
+
 // R rows x C column vectors of y from x (rows ldx apart) and the packed columns wp (vectors
-// vstride apart); the last vector writes ``lastn`` lanes.
-template <int R, int C>
+// vstride apart); the last vector writes ``lastn`` lanes. Gated: C is even and the block writes
+// C / 2 vectors of silu(gate) * up.
+template <int R, int C, bool Gated>
 inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, int64_t vstride, const float* bias,
                       float* y, int64_t ldy, int lastn) {
   __m512 acc[R][C];
@@ -63,6 +89,10 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xb, acc[r][c]);
     }
   }
+  if constexpr (Gated) {
+    for (int r = 0; r < R; ++r) gated_row<C, false>(acc[r], y + r * ldy);
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       if (c == C - 1 && lastn < 16)
@@ -76,9 +106,10 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
 
 #ifdef BATCHGEN_GEMM_BF16
 
-template <int R, int C>
+// O: uint16_t (bf16 out) or float (bf16-rounded values widened to float32)
+template <int R, int C, typename O, bool Gated>
 inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64_t k, int64_t vstride,
-                       const float* bias, uint16_t* y, int64_t ldy, int lastn) {
+                       const float* bias, O* y, int64_t ldy, int lastn) {
   __m512 acc[R][C];
   for (int c = 0; c < C; ++c) {
     const __m512 b = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
@@ -94,13 +125,31 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xb);
     }
   }
+  if constexpr (Gated) {
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float row[C / 2 * 16];
+      gated_row<C, true>(acc[r], row);
+      for (int c = 0; c < C / 2; ++c) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + c * 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c * 16), h);
+      }
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r][c]);
-      if (c == C - 1 && lastn < 16)
+      if constexpr (std::is_same_v<O, float>) {
+        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        if (c == C - 1 && lastn < 16)
+          _mm512_mask_storeu_ps(y + r * ldy + c * 16, lanes(lastn), f);
+        else
+          _mm512_storeu_ps(y + r * ldy + c * 16, f);
+      } else if (c == C - 1 && lastn < 16) {
         _mm256_mask_storeu_epi16(y + r * ldy + c * 16, lanes(lastn), h);
-      else
+      } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c * 16), h);
+      }
     }
 }
 
@@ -108,19 +157,20 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 
 #ifdef BATCHGEN_GEMM_F32
 
-// All m rows against C column vectors: full blocks of kRows, then the remainder.
-template <typename T, typename W, int C>
+// All m rows against C column vectors: full blocks of kRows, then the remainder. O: the output's
+// type (T, or float for bf16 widened).
+template <typename T, typename W, int C, typename O, bool Gated>
 void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t vstride, const float* bias,
-                  T* y, int64_t ldy, int lastn) {
+                  O* y, int64_t ldy, int lastn) {
   auto run = [&](auto rows, int64_t r) {
     constexpr int R = decltype(rows)::value;
 #ifdef BATCHGEN_GEMM_BF16
     if constexpr (std::is_same_v<T, uint16_t>)
-      block_bf16<R, C>(x + r * ldx, ldx, wp, k, vstride, bias, y + r * ldy, ldy, lastn);
+      block_bf16<R, C, O, Gated>(x + r * ldx, ldx, wp, k, vstride, bias, y + r * ldy, ldy, lastn);
     else
 #endif
-      if constexpr (std::is_same_v<T, float>)
-      block_f32<R, C>(x + r * ldx, ldx, wp, k, vstride, bias, y + r * ldy, ldy, lastn);
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<O, float>)
+      block_f32<R, C, Gated>(x + r * ldx, ldx, wp, k, vstride, bias, y + r * ldy, ldy, lastn);
   };
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) run(std::integral_constant<int, kRows>{}, r);
@@ -134,27 +184,33 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
   }
 }
 
-template <typename T, typename W>
-void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, T* y,
+// Gated: n a multiple of 32 (whole gate / up vector pairs), threads split at pairs, y [m, n / 2].
+template <typename T, typename W, typename O, bool Gated = false>
+void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
           int64_t ldy, int threads) {
   const int64_t vectors = (n + 15) / 16;
+  const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
   const int64_t vstride = std::is_same_v<T, uint16_t> ? k / 2 * 16 : k * 16;  // W elements per vector
-  const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, vectors)));
+  const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, vectors / unit)));
 #pragma omp parallel num_threads(used)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = vectors * t / nt, hi = vectors * (t + 1) / nt;
+    const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
     for (int64_t v = lo; v < hi; v += kCols) {
       const int cn = static_cast<int>(std::min<int64_t>(kCols, hi - v));
       const int lastn = (v + cn == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
       const W* w = wp + v * vstride;
       const float* b = bias ? bias + v * 16 : nullptr;
-      T* out = y + v * 16;
+      O* out = y + v / unit * 16;
       switch (cn) {
-        case 4: column_panel<T, W, 4>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
-        case 3: column_panel<T, W, 3>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
-        case 2: column_panel<T, W, 2>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
-        default: column_panel<T, W, 1>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
+        case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
+        case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn); break;
+        case 3:
+          if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn);
+          break;
+        default:
+          if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn);
+          break;
       }
     }
   }
@@ -208,7 +264,7 @@ int gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint32_t* out) {
 int gemm_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const float* wp, int64_t n, const float* bias,
              float* y, int64_t ldy, int threads) {
 #ifdef BATCHGEN_GEMM_F32
-  gemm<float, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
+  gemm<float, float, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
@@ -220,7 +276,46 @@ int gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint32
               uint16_t* y, int64_t ldy, int threads) {
 #ifdef BATCHGEN_GEMM_BF16
   if (k % 2) return 1;
-  gemm<uint16_t, uint32_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
+  gemm<uint16_t, uint32_t, uint16_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// silu(gate) * up [m, n / 2] from W packed gated ([gate; up] rows, n a multiple of 32, gate and up
+// vectors alternating; batchgen/model/linear.py reorders them before packing). 1 otherwise.
+int gemm_gated_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const float* wp, int64_t n, const float* bias,
+                   float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_F32
+  if (n % 32) return 1;
+  gemm<float, float, float, true>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+int gemm_gated_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
+                    const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_BF16
+  if (k % 2 || n % 32) return 1;
+  gemm<uint16_t, uint32_t, uint16_t, true>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// gemm_bf16 with y float32: each output rounded to bf16, then widened.
+int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
+                      const float* bias, float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_BF16
+  if (k % 2) return 1;
+  gemm<uint16_t, uint32_t, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads);
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;

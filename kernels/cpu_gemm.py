@@ -13,22 +13,46 @@ from kernels.cpu_ops import DTYPE_SUFFIX
 
 class PackedWeight:
     """``weight`` [n, k] packed for the kernel, with the bias in float32; calling it on ``x``
-    [m, k] (rows may be strided) gives ``x @ weight.T + bias``, [m, n] in the weight's dtype."""
+    [m, k] (rows may be strided) gives ``x @ weight.T + bias``, [m, n] in the weight's dtype, or
+    with ``widened`` that result as float32 (``(x @ weight.T + bias).float()`` in one pass).
+    ``gated``: the weight is [gate; up] of a SwiGLU MLP, packed so that ``silu_mul(x)`` gives
+    ``silu(gate) * up`` [m, n / 2] in the same pass (calling it still gives [gate | up])."""
 
-    def __init__(self, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.packed, self.n, self.k, self.bias, self.dtype = packed, n, k, bias, dtype
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        n: int,
+        k: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        gated: bool = False,
+    ):
+        self.packed, self.n, self.k, self.bias, self.dtype, self.gated = packed, n, k, bias, dtype, gated
         self._gemm = getattr(load(), "gemm_" + DTYPE_SUFFIX[dtype])
+        self._gemm_widened = load().gemm_bf16_widened if dtype == torch.bfloat16 else self._gemm
+        self._gemm_gated = getattr(load(), "gemm_gated_" + DTYPE_SUFFIX[dtype])
         self._bias_ptr = 0 if bias is None else bias.data_ptr()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, widened: bool = False) -> torch.Tensor:
+        out = self._run(self._gemm_widened if widened else self._gemm, x, self.n, widened)
+        if self.gated:  # gate and up vectors alternate in the packed order
+            return out.view(out.shape[0], self.n // 32, 2, 16).transpose(1, 2).reshape(out.shape)
+        return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gated weight's output, [m, n / 2] in the weight's dtype."""
+        assert self.gated
+        return self._run(self._gemm_gated, x, self.n // 2)
+
+    def _run(self, gemm, x: torch.Tensor, width: int, widened: bool = False) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.k and x.dtype == self.dtype, (x.shape, self.k, x.dtype)
         if x.stride(1) != 1:
             x = x.contiguous()
         m = x.shape[0]
-        out = torch.empty((m, self.n), dtype=self.dtype)
+        out = torch.empty((m, width), dtype=torch.float32 if widened else self.dtype)
         if m == 0:
             return out
-        rc = self._gemm(
+        rc = gemm(
             x.data_ptr(),
             x.stride(0),
             m,
@@ -37,22 +61,26 @@ class PackedWeight:
             self.n,
             self._bias_ptr,
             out.data_ptr(),
-            self.n,
+            width,
             torch.get_num_threads(),
         )
         assert rc == 0, "the packed weight's kernel is missing"  # pack() checked it
         return out
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> PackedWeight | None:
     """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
-    without AVX-512 or, for bfloat16, AVX-512 BF16; another dtype or device; an odd ``k`` in bf16)."""
+    without AVX-512 or, for bfloat16, AVX-512 BF16; another dtype or device; an odd ``k`` in bf16;
+    ``gated`` [gate; up] rows whose halves are not whole 16-column vectors)."""
     dtype = weight.dtype
     if weight.dim() != 2 or dtype not in DTYPE_SUFFIX or weight.device.type != "cpu" or not available():
         return None
     n, k = weight.shape
-    if k == 0 or n == 0:
+    if k == 0 or n == 0 or (gated and n % 32):
         return None
+    if gated:  # gate vector i, up vector i, gate vector i + 1, ...
+        weight = weight.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
+        bias = None if bias is None else bias.view(2, n // 32, 16).transpose(0, 1).reshape(n)
     vectors = (n + 15) // 16
     w = weight.contiguous()
     if dtype == torch.float32:
@@ -64,4 +92,4 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight
     if rc:
         return None
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    return PackedWeight(packed, n, k, b, dtype)
+    return PackedWeight(packed, n, k, b, dtype, gated)

@@ -43,17 +43,6 @@ void rms_norm(const T* x, const T* w, int64_t rows, int64_t dim, float eps, T* o
   }
 }
 
-// silu(a) = a / (1 + exp(-a)), with the exponential of a non-positive argument only
-inline float silu(float a) {
-  const float e = exp_nonpositive(a >= 0 ? -a : a);
-  return (a >= 0 ? a : a * e) / (1.0f + e);
-}
-inline v16 silu16(v16 a) {
-  const auto neg = a < 0;
-  const v16 e = exp16(neg ? a : -a);
-  return (neg ? a * e : a) / (1.0f + e);
-}
-
 // out = silu(gate) * up, gate and up the halves of each row of gate_up [rows, 2 * inter]
 template <typename T>
 void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads) {

@@ -38,6 +38,26 @@ def tempered_softmax(
     return probs, sums, lse
 
 
+def greedy_pick(adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 logits [rows, vocab] on the CPU: per row the first position of the largest
+    ``adjusted`` logit (int64, as ``argmax``) and the log-sum-exp of ``raw`` (float32), without
+    the probabilities ``tempered_softmax`` writes."""
+    rows, vocab = adjusted.shape
+    adjusted, raw = adjusted.contiguous(), raw.contiguous()
+    token = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    load().greedy_pick(
+        adjusted.data_ptr(),
+        raw.data_ptr(),
+        rows,
+        vocab,
+        token.data_ptr(),
+        lse.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return token, lse
+
+
 def mass_above(probs: torch.Tensor, rows: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """For each ``rows[i]`` of float32 ``probs`` [*, vocab]: the sum of its values strictly
     greater than ``threshold[i]`` (float64)."""

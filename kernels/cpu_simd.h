@@ -112,6 +112,17 @@ inline v16 exp16(v16 x) {
   return tiny ? v16{} : y;
 }
 
+// silu(a) = a / (1 + exp(-a)), with the exponential of a non-positive argument only
+inline float silu(float a) {
+  const float e = exp_nonpositive(a >= 0 ? -a : a);
+  return (a >= 0 ? a : a * e) / (1.0f + e);
+}
+inline v16 silu16(v16 a) {
+  const auto neg = a < 0;
+  const v16 e = exp16(neg ? a : -a);
+  return (neg ? a * e : a) / (1.0f + e);
+}
+
 // The largest of x[0..n)
 inline float row_max(const float* x, int64_t n) {
   const int64_t full = n / 16 * 16;

@@ -226,12 +226,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = Non
     x = _adjusted_logits(logits, rows)
     greedy_rows = [r.params.temperature == 0 for r in rows]
     temps = [r.params.temperature or 1.0 for r in rows]
-    tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
     kernels = None
     if fused or (fused is None and logits.device.type == "cpu" and logits.dtype == torch.float32):
         kernels = fused_kernels()
         if kernels is None and fused:
             raise RuntimeError("the compiled CPU kernels are not available here")
+    if kernels is not None and all(greedy_rows):  # the argmax and log-sum-exp only
+        tokens, lse = kernels.greedy_pick(x, logits)
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
+    tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
     if kernels is not None:
         inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
         probs, sums, lse = kernels.tempered_softmax(x, logits, inv_temp, _BLOCK)

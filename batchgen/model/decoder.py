@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from batchgen.model import mxfp4
+from batchgen.model import layers, mxfp4
 from batchgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from batchgen.model.families import family_of
 from batchgen.model.layers import ACTIVATIONS, Rotary, apply_rotary, rms_norm
@@ -117,8 +117,8 @@ class DecoderModel:
         # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
         self.long_rope_after = next((r.long_after for r in self._rotaries.values() if r.long_after), None)
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        layer = Linear(weight, bias, backends=self._backends, strict=self._strict)
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> Linear:
+        layer = Linear(weight, bias, backends=self._backends, strict=self._strict, gated=gated)
         self.linears.append(layer)
         return layer
 
@@ -199,16 +199,20 @@ class DecoderModel:
             raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor 'lm_head.weight'")
 
     def _dense(self, w: _Weights, p: str, act=None) -> Callable[[torch.Tensor], torch.Tensor]:
-        expert = self._expert_from(w, p)
-        unit = dense_unit(act or self.act)
-        return lambda x: expert.down(unit(expert.gate_up(x)))
+        act = act or self.act
+        expert = self._expert_from(w, p, gated=act is F.silu and layers.FUSED_CPU_OPS)
+        unit = dense_unit(act)
+        return partial(expert, unit=unit)
 
-    def _expert_from(self, w: _Weights, p: str, names=("gate_proj", "up_proj", "down_proj")) -> Expert:
+    def _expert_from(
+        self, w: _Weights, p: str, names=("gate_proj", "up_proj", "down_proj"), gated: bool = False
+    ) -> Expert:
+        """``gated``: the unit is SiLU's, so the kernel may compute it in the gate_up GEMM."""
         if w.has(p + "gate_up_proj.weight"):  # Phi-3
             gate_up = w.take(p + "gate_up_proj.weight")
         else:
             gate_up = torch.cat([w.take(p + names[0] + ".weight"), w.take(p + names[1] + ".weight")]).contiguous()
-        return Expert(self._linear(gate_up), self._linear(w.take(p + names[2] + ".weight")))
+        return Expert(self._linear(gate_up, gated=gated), self._linear(w.take(p + names[2] + ".weight")))
 
     def _moe(self, w: _Weights, p: str) -> MoE:
         c, kind = self.config, self.family.moe
@@ -218,16 +222,20 @@ class DecoderModel:
         num = c.num_local_experts if kind == "mixtral" else c.num_experts
         mlp = p + ("block_sparse_moe." if w.has(p + "block_sparse_moe.gate.weight") else "mlp.")
         renormalize = True if kind == "mixtral" else bool(getattr(c, "norm_topk_prob", False))
+        silu = self.act is F.silu and layers.FUSED_CPU_OPS
         router = self._linear(w.take(mlp + "gate.weight"))
         if w.has(mlp + "experts.gate_up_proj"):  # transformers >= 5's fused layout: [E, 2I, H], [E, H, I]
             gate_up, down = w.take(mlp + "experts.gate_up_proj"), w.take(mlp + "experts.down_proj")
-            experts = [Expert(self._linear(gate_up[e].contiguous()), self._linear(down[e].contiguous())) for e in range(num)]
+            experts = [
+                Expert(self._linear(gate_up[e].contiguous(), gated=silu), self._linear(down[e].contiguous()))
+                for e in range(num)
+            ]
         else:
             names = ("w1", "w3", "w2") if mlp.endswith("block_sparse_moe.") else ("gate_proj", "up_proj", "down_proj")
-            experts = [self._expert_from(w, f"{mlp}experts.{e}.", names) for e in range(num)]
+            experts = [self._expert_from(w, f"{mlp}experts.{e}.", names, gated=silu) for e in range(num)]
         shared = shared_gate = None
         if kind == "qwen2_moe":
-            shared = self._expert_from(w, mlp + "shared_expert.")
+            shared = self._expert_from(w, mlp + "shared_expert.", gated=silu)
             shared_gate = self._linear(w.take(mlp + "shared_expert_gate.weight"))
         return MoE(
             router,
@@ -328,7 +336,7 @@ class DecoderModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.final_softcap is not None:  # Gemma 2
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits.float()
+        if self.final_softcap is None:
+            return self.lm_head.widened(hidden)
+        logits = self.lm_head(hidden)  # Gemma 2: the cap in the weights' dtype, as transformers
+        return (torch.tanh(logits / self.final_softcap) * self.final_softcap).float()

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 # The compiled CPU kernels for the elementwise steps below (kernels/cpu_ops.py), where they build;
-# the torch code here is their reference and fallback. False: the torch code everywhere.
+# the torch code here is their reference and fallback. False: the torch code everywhere (and no
+# SwiGLU in the GEMM kernel's pass: models loaded then pack their gate_up layers plain).
 FUSED_CPU_OPS = True
 
 

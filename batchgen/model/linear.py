@@ -67,7 +67,9 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
 class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out, in]; ``weight`` stays readable (tied
     embeddings read it too). ``backends``: what to try in order (``backends_for``); ``strict``:
-    raise if the first one cannot run this layer. ``backend`` says which one it runs on."""
+    raise if the first one cannot run this layer. ``backend`` says which one it runs on.
+    ``gated``: the weight is [gate; up] of a SwiGLU MLP; the kernel then also gives
+    ``silu(gate) * up`` in the GEMM's pass (``silu_mul``)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class Linear:
         bias: torch.Tensor | None = None,
         backends: tuple[str, ...] | list[str] = ("torch",),
         strict: bool = False,
+        gated: bool = False,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -83,7 +86,7 @@ class Linear:
         self.backend = "torch"
         for backend in backends:
             if backend == "cpu":
-                self.kernel = _pack_for_kernel(weight, bias)
+                self.kernel = _pack_for_kernel(weight, bias, gated)
             elif backend == "onednn":
                 self.packed = _pack(weight, bias)
             if backend == "torch" or self.kernel is not None or self.packed is not None:
@@ -107,6 +110,22 @@ class Linear:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.view(*lead, out.shape[-1])
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gated layer's output in one pass where the kernel runs it
+        (it packed the layer gated); None otherwise (the caller applies its activation)."""
+        if self.kernel is None or not self.kernel.gated:
+            return None
+        out = self.kernel.silu_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``: the output rounded to the weight's dtype, as float32 (the LM head's
+        logits), in one pass where the kernel runs it."""
+        if self.kernel is None:
+            return self(x).float()
+        out = self.kernel(x.reshape(-1, x.shape[-1]), widened=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         pad = _PAD_TO[m] - m
@@ -126,16 +145,24 @@ def _probe(weight: torch.Tensor) -> torch.Tensor:
     return torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
 
 
-def _pack_for_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight | None:
-    """The weight packed for the compiled kernel, checked on a probe; None where it does not run."""
+def _pack_for_kernel(
+    weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False
+) -> PackedWeight | None:
+    """The weight packed for the compiled kernel (gated where asked and its shape allows, else
+    plain), checked on a probe; None where it does not run."""
     from kernels import cpu_gemm  # noqa: PLC0415
 
-    packed = cpu_gemm.pack(weight, bias)
+    packed = (cpu_gemm.pack(weight, bias, gated=True) if gated else None) or cpu_gemm.pack(weight, bias)
     if packed is None:
         return None
     probe = _probe(weight)
-    if not _agrees(packed(probe), F.linear(probe, weight, bias), weight.dtype):
+    want = F.linear(probe, weight, bias)
+    if not _agrees(packed(probe), want, weight.dtype):
         return None
+    if packed.gated:
+        gate, up = want.float().chunk(2, dim=-1)
+        if not _agrees(packed.silu_mul(probe), F.silu(gate) * up, weight.dtype):
+            return None
     return packed
 
 

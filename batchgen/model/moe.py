@@ -20,8 +20,17 @@ from batchgen.model.linear import Linear
 
 @dataclass
 class Expert:
-    gate_up: Linear  # [gate; up] rows
+    gate_up: Linear  # [gate; up] rows; built ``gated`` only where the unit is SiLU's
     down: Linear
+
+    def hidden(self, x: torch.Tensor, unit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``unit(gate_up(x))``, the MLP's hidden activation: in the GEMM's own pass where the
+        kernel packed ``gate_up`` gated."""
+        fused = self.gate_up.silu_mul(x)
+        return unit(self.gate_up(x)) if fused is None else fused
+
+    def __call__(self, x: torch.Tensor, unit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return self.down(self.hidden(x, unit))
 
 
 def softmax_then_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,13 +97,13 @@ class MoE:
         for expert, count in zip(self.experts, counts, strict=True):
             if count:
                 rows = slice(start, start + count)
-                ys[rows] = expert.down(self.unit(expert.gate_up(xs[rows])))
+                ys[rows] = expert(xs[rows], self.unit)
                 start += count
         self.seconds += time.perf_counter() - t0
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         out = torch.zeros_like(x).index_add_(0, token, ys)
         if self.shared is not None and self.shared_gate is not None:
-            shared = self.shared.down(self.unit(self.shared.gate_up(x)))
+            shared = self.shared(x, self.unit)
             out = out + torch.sigmoid(self.shared_gate(x)) * shared
         return out
 

@@ -117,6 +117,29 @@ def test_fused_passes_equal_the_torch_ones():
 
 
 @pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_greedy_pick_is_argmax_and_logsumexp():
+    """The all-greedy pass against torch.argmax (first of equal maxima, whichever lanes and tail
+    they fall in) and logsumexp of the raw logits, on a vocabulary that is not a multiple of 16."""
+    from kernels.cpu_sampling import greedy_pick
+
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn(9, 1000 + 7, generator=gen) * 4
+    adjusted = raw.clone()
+    adjusted[0, raw[0].argmax()] = float("-inf")  # blocked: the next best wins
+    adjusted[1, [37, 21, 500]] = 100.0  # ties in different lanes: the first position
+    adjusted[2, [1003, 1005]] = 100.0  # in the tail past the last 16-block
+    adjusted[3, [16, 32, 1006]] = 100.0  # the same lane, and the tail
+    adjusted[4] = float("-inf")  # nothing left: position 0, as argmax
+    adjusted[5, [1006, 999]] = 100.0
+    adjusted[6, 0] = 100.0
+    adjusted[7] = 0.0
+    for x in (raw, adjusted):
+        token, lse = greedy_pick(x, raw)
+        assert token.tolist() == x.argmax(-1).tolist()
+        assert torch.allclose(lse.double(), torch.logsumexp(raw.double(), -1), atol=1e-5)
+
+
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
 def test_fused_sampler_draws_what_the_torch_one_draws():
     """Same uniforms, probabilities equal to float32 rounding: the same tokens (a draw landing
     within 1e-6 of a CDF step could differ; none does here) and log-probabilities, over mixed

@@ -81,6 +81,7 @@ def test_kernel_linear_float32(rows, n):
     check_against_float64(layer, w, b, wide[:, ::3], 1e-5)
     # leading dimensions are kept
     assert layer(x.view(1, rows, k)).shape == (1, rows, n)
+    assert torch.equal(layer.widened(x), layer(x))
 
 
 @needs_kernel(torch.bfloat16)
@@ -104,6 +105,55 @@ def test_kernel_linear_bfloat16(rows, n):
     assert (got - want.float().bfloat16().double()).abs().max() <= 2**-7 * want.abs().max()
     wide = torch.randn(rows, 2 * k, generator=gen).bfloat16()
     assert torch.equal(layer(wide[:, k:]), layer(wide[:, k:].contiguous()))
+    # widened (the LM head's float32 logits): the bf16 result, bit for bit, as float32
+    widened = layer.widened(x.view(1, rows, k))
+    assert widened.dtype == torch.float32 and widened.shape == (1, rows, n)
+    assert torch.equal(widened[0], layer(x).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
+@pytest.mark.parametrize("n", [32, 96, 160])
+def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n):
+    """A [gate; up] layer packed gated: silu(gate) * up in the GEMM's pass equals the plain GEMM
+    followed by the SwiGLU kernel, bit for bit in bf16 (the same rounding points), to float32
+    rounding in float32; the plain call still gives [gate | up]. n: one vector pair, three (a
+    4-vector block and a 2-vector one), five (split unevenly over two threads)."""
+    if not kernel_runs(dtype):
+        pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
+    from kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    k = 64
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if rows % 2 else None
+    gated = Linear(w, b, backends=["cpu"], strict=True, gated=True)
+    plain = Linear(w, b, backends=["cpu"], strict=True)
+    assert (
+        gated.kernel is not None
+        and gated.kernel.gated
+        and plain.silu_mul(torch.ones(1, k, dtype=dtype)) is None
+    )
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # strided rows and columns
+    assert torch.equal(gated(x), plain(x))
+    got = gated.silu_mul(x.view(1, rows, k))
+    assert got.shape == (1, rows, n // 2) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got[0], cpu_ops.silu_mul(plain(x)))
+    else:
+        gate, up = F.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        assert (got[0].double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_gated_packing_needs_whole_vector_pairs():
+    """[gate; up] halves that are not whole 16-column vectors pack plain (the activation then runs
+    separately)."""
+    if not kernel_runs(torch.float32):
+        pytest.skip("no compiled GEMM kernel on this CPU")
+    layer = Linear(torch.randn(48, 16), backends=["cpu"], gated=True)
+    assert layer.kernel is not None and not layer.kernel.gated
+    assert layer.silu_mul(torch.randn(2, 16)) is None
 
 
 @needs_onednn
