@@ -4,7 +4,7 @@ files, dtype and threads, in one run. Prints a table and writes JSON.
     python scripts/bench.py [S B P D M R] [--model models/bench-56m] [--moe-model models/bench-moe]
                             [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
-                            [--engine-setting K=V]
+                            [--engine-setting K=V] [--repeat N]
 
 Workload R runs 32 prompts of 32-256 tokens, n=4 sampling, 64 new tokens on a deep narrow model
 (``batchgen.tiny.make_bench_deep_model``: 30 layers, hidden 576, vocab 49152, tied embeddings).
@@ -14,7 +14,10 @@ Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16
 ``batchgen.tiny.make_bench_moe_model``) and reports the share of batchgen's time in expert GEMMs.
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
-batchgen's generated tokens/s over the best baseline batch size's.
+batchgen's generated tokens/s over the best baseline batch size's. ``--repeat N`` runs each side N
+times, alternating, and takes each side's median run (the JSON keeps every run's tokens/s): the
+machine's speed drifts by 10-20% within minutes, which one run of each side cannot tell apart from
+a difference of the engines.
 """
 
 from __future__ import annotations
@@ -356,6 +359,11 @@ def floor_tok_s(w: Workload, gflops: float, mflop: float) -> float:
     return useful_tokens(w) / seconds
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workloads", nargs="*", default=["S", "B", "P", "D"])
@@ -368,6 +376,12 @@ def main() -> None:
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--json", default="bench-cpu.json")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each side this many times, alternating, in fresh processes; report each side's median run",
+    )
     ap.add_argument(
         "--engine-setting",
         action="append",
@@ -417,9 +431,33 @@ def main() -> None:
     for w in workloads:
         model = model_of(w)
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts ({model})", flush=True)
-        bg = in_fresh_process(run_batchgen, model, w, args.threads, settings, args.dtype)
+        skip = args.skip_baseline or (w.name == "P2-INPUT" and any(x.name == "P2" for x in workloads))
+        bg_runs, hf_runs = [], []
+        for _ in range(args.repeat):  # alternating, so that the machine's drift meets both sides
+            bg_runs.append(in_fresh_process(run_batchgen, model, w, args.threads, settings, args.dtype))
+            print(
+                f"    batchgen:          {bg_runs[-1]['tokens_per_s']:8.1f} tok/s ({bg_runs[-1]['wall_s']:.1f} s)",
+                flush=True,
+            )
+            if not skip:
+                hf_runs.append(
+                    in_fresh_process(
+                        run_hf,
+                        model,
+                        w,
+                        w.baseline_batch_sizes or args.baseline_batch_sizes,
+                        args.threads,
+                        args.dtype,
+                    )
+                )
+        bg, hf = median_run(bg_runs), median_run(hf_runs) if hf_runs else None
         s = bg["stats"]
-        print(f"    batchgen:          {bg['tokens_per_s']:8.1f} tok/s ({bg['wall_s']:.1f} s)", flush=True)
+        if args.repeat > 1:
+            print(
+                f"    medians of {args.repeat}: batchgen {bg['tokens_per_s']:.1f}"
+                + (f", transformers {hf['tokens_per_s']:.1f}" if hf else ""),
+                flush=True,
+            )
         if w.long:
             print(
                 f"    batchgen prefill {bg['prefill_tokens_per_s']:.0f} prompt tok/s, peak RSS {bg['peak_rss_mib']:.0f} MiB",
@@ -440,19 +478,6 @@ def main() -> None:
                 f"prefix-cache hits {s['prefix_cache_hit_tokens']}, preemptions {s['num_preemptions']}",
                 flush=True,
             )
-        skip = args.skip_baseline or (w.name == "P2-INPUT" and any(x.name == "P2" for x in workloads))
-        hf = (
-            None
-            if skip
-            else in_fresh_process(
-                run_hf,
-                model,
-                w,
-                w.baseline_batch_sizes or args.baseline_batch_sizes,
-                args.threads,
-                args.dtype,
-            )
-        )
         if hf and w.long:
             print(
                 f"    transformers prefill {hf['prefill_tokens_per_s']:.0f} prompt tok/s, peak RSS {hf['peak_rss_mib']:.0f} MiB",
@@ -464,6 +489,10 @@ def main() -> None:
                 "batchgen": bg,
                 "transformers": hf,
                 "ratio": bg["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+                "runs_tokens_per_s": {
+                    "batchgen": [r["tokens_per_s"] for r in bg_runs],
+                    "transformers": [r["tokens_per_s"] for r in hf_runs],
+                },
             }
         )
     print()
