@@ -3,7 +3,12 @@ GEMM ("onednn") and ``F.linear`` ("torch"), through ``batchgen.model.linear.Line
 calls them, on the [N, K] shapes of the bench models: bench-56m's fused qkv (also bench-moe's
 experts' gate/up), gate/up, down and LM head, bench-moe's experts' down, bench-deep's qkv.
 
-    python scripts/gemm_rates.py [--dtype float32|bfloat16] [--threads 2] [--rows 1 8 32 ...]
+    python scripts/gemm_rates.py [--dtype float32|bfloat16] [--threads 2] [--rows 1 8 32 ...] [--fused]
+
+``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
+engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel against the gated GEMM
+(``Linear.silu_mul``), and the LM head then ``.float()`` against the widened GEMM
+(``Linear.widened``, bf16 only).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 import torch
 
 from batchgen.model.linear import Linear
+from batchgen.model.malloc import keep_freed_memory
 
 SHAPES = [(768, 512), (3072, 512), (512, 1536), (32000, 512), (512, 384), (960, 576)]
 
@@ -31,15 +37,64 @@ def gflops(layer: Linear, x: torch.Tensor, n: int) -> float:
     return 2 * x.shape[0] * n * x.shape[1] / best / 1e9
 
 
+def ms_per_call(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e3
+
+
+def fused(dt: torch.dtype, rows: list[int]) -> None:
+    from kernels import cpu_ops  # noqa: PLC0415
+
+    keep_freed_memory()
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(3072, 512, generator=gen) * 0.05).to(dt)
+    plain, gated = (
+        Linear(w, backends=["cpu"], strict=True),
+        Linear(w, backends=["cpu"], strict=True, gated=True),
+    )
+    head = Linear((torch.randn(32000, 512, generator=gen) * 0.05).to(dt), backends=["cpu"], strict=True)
+    print(f"ms per call, {dt}")
+    print("| rows | gate/up GEMM + silu_mul | gated GEMM | LM head + .float() | widened LM head |")
+    print("| --- | --- | --- | --- | --- |")
+    for m in rows:
+        x = torch.randn(m, 512, generator=gen).to(dt)
+        cells = [
+            ms_per_call(lambda x=x: cpu_ops.silu_mul(plain(x))),
+            ms_per_call(lambda x=x: gated.silu_mul(x)),
+        ]
+        if dt == torch.bfloat16:
+            cells += [
+                ms_per_call(lambda x=x: head(x).float(), 5),
+                ms_per_call(lambda x=x: head.widened(x), 5),
+            ]
+        print(
+            f"| {m} | "
+            + " | ".join(f"{c:.3f}" for c in cells)
+            + " |"
+            + ("" if len(cells) > 2 else " - | - |")
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 2048])
     ap.add_argument("--backends", nargs="+", default=["cpu", "onednn", "torch"])
+    ap.add_argument("--fused", action="store_true", help="time the GEMM kernel's fused passes instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dt = getattr(torch, args.dtype)
+    if args.fused:
+        fused(dt, args.rows)
+        return
     print(f"GFLOP/s, {args.dtype}, {args.threads} threads")
     print("| N x K | rows | " + " | ".join(args.backends) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in args.backends) + " |")
