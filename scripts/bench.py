@@ -390,6 +390,8 @@ def main() -> None:
         help="extra LLM(...) setting for batchgen, e.g. linear_backend=torch (repeatable)",
     )
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, not {args.repeat}")
     settings = {}
     for item in args.engine_setting:
         key, _, value = item.partition("=")

@@ -37,3 +37,20 @@ def beam_model_dirs(tmp_path_factory) -> dict[str, str]:
         arch: str(make_model(root / arch, arch, seed=10 + i, vocab_size=24, initializer_range=0.3))
         for i, arch in enumerate(ARCHS)
     }
+
+
+@pytest.fixture(scope="session")
+def head64_dir(tmp_path_factory) -> str:
+    """Head size 64, 4 query heads per KV head: the compiled decode and prefill kernels' vector paths
+    (on the bf16 dot instruction where the CPU has it); the tiny models' head size 16 takes their
+    general loops or torch's kernel."""
+    return str(
+        make_model(
+            tmp_path_factory.mktemp("h64") / "m",
+            "llama",
+            seed=5,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=1,
+        )
+    )

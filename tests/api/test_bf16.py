@@ -49,24 +49,6 @@ def hf_bf16_greedy(path: str, prompt: list[int], max_new: int) -> tuple[list[int
     return ids[len(prompt) :], steps
 
 
-@pytest.fixture(scope="module")
-def head64_dir(tmp_path_factory):
-    """Head size 64, 4 query heads per kv head: the compiled decode kernel's vector path (on the
-    bf16 dot instruction where the CPU has it); the tiny models' head size 16 takes its general loop."""
-    from batchgen.tiny import make_model
-
-    return str(
-        make_model(
-            tmp_path_factory.mktemp("h64") / "m",
-            "llama",
-            seed=5,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=1,
-        )
-    )
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-head64"])
 def test_bf16_greedy_and_logprobs_match_transformers_bf16(model_dirs, head64_dir, arch):
     path = head64_dir if arch == "llama-head64" else model_dirs[arch]

@@ -146,22 +146,6 @@ def test_prefill_declines_shapes_it_does_not_take():
             assert prefill(q, kc, vc, table, 4, d**-0.5) is None
 
 
-@pytest.fixture(scope="module")
-def head64_dir(tmp_path_factory):
-    from batchgen.tiny import make_model
-
-    return str(
-        make_model(
-            tmp_path_factory.mktemp("p64") / "m",
-            "llama",
-            seed=7,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=1,
-        )
-    )
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeypatch, dtype):
     """Greedy with chunked prefill (chunks after cached positions) and a cached shared prefix,

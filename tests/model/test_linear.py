@@ -146,11 +146,10 @@ def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n):
         assert (got[0].double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@needs_kernel(torch.float32)
 def test_gated_packing_needs_whole_vector_pairs():
     """[gate; up] halves that are not whole 16-column vectors pack plain (the activation then runs
     separately)."""
-    if not kernel_runs(torch.float32):
-        pytest.skip("no compiled GEMM kernel on this CPU")
     layer = Linear(torch.randn(48, 16), backends=["cpu"], gated=True)
     assert layer.kernel is not None and not layer.kernel.gated
     assert layer.silu_mul(torch.randn(2, 16)) is None
