@@ -21,6 +21,29 @@ def test_the_kernels_build_where_there_is_a_compiler():
     assert fused_kernels() is not None
 
 
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_the_kernels_build_from_parallel_objects_and_a_failed_source_is_named(tmp_path, monkeypatch):
+    """The library is one object per source, compiled at once, then linked (here from the two
+    quickest sources): the result exports each source's kernels; a source that does not compile
+    fails the build with its compiler error, and no object file or partial library is left."""
+    import ctypes
+
+    compiler = cpu.compiler()
+    assert compiler is not None
+    quick = [src for src in cpu.SOURCES if src.stem in ("cpu_beam", "cpu_sampling")]
+    monkeypatch.setattr(cpu, "SOURCES", quick)
+    out = tmp_path / "lib.so"
+    cpu._compile(compiler, cpu.FLAGS, out)
+    lib = ctypes.CDLL(str(out))
+    assert hasattr(lib, "beam_topk_f32") and hasattr(lib, "tempered_softmax")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("int f() { return not_declared; }\n")
+    monkeypatch.setattr(cpu, "SOURCES", [*quick, broken])
+    with pytest.raises(cpu.KernelUnavailable, match="not_declared"):
+        cpu._compile(compiler, cpu.FLAGS, tmp_path / "other.so")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cpp", "lib.so"]
+
+
 def draw(logits_row: torch.Tensor, params: SamplingParams, n: int, fused: bool) -> torch.Tensor:
     rows = [SampleRow(params, seed, 0, [], 0, []) for seed in range(n)]
     return torch.tensor(sample(logits_row.expand(n, -1).contiguous(), rows, fused=fused).tokens)

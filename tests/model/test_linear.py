@@ -111,6 +111,36 @@ def test_kernel_linear_bfloat16(rows, n):
     assert torch.equal(widened[0], layer(x).float())
 
 
+# Each row block of a column panel prefetches a share of the next panel unless the two panels and
+# the rows outgrow L2: rows 8 at k 1024 take the prefetching K loop, 1,200 (megabytes of rows) the
+# plain one, and 600 rows at k 16 more row blocks (100) than the next panel has cache lines (64 in
+# float32). Three panels per thread at n 384; the gated layer's epilogue behind both loops.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k"), [(8, 1024), (1200, 1024), (600, 16)])
+def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k):
+    if not kernel_runs(dtype):
+        pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
+    from kernels import cpu_ops
+
+    gen = torch.Generator().manual_seed(rows + k)
+    n = 384
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    layer = Linear(w, b, backends=["cpu"], strict=True)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    want = F.linear(x.double(), w.double(), b.double())
+    got = layer(x).double()
+    tol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    assert (got - want).abs().max() <= tol * want.abs().max(), float((got - want).abs().max())
+    gated = Linear(w, b, backends=["cpu"], strict=True, gated=True)
+    hidden = gated.silu_mul(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(hidden, cpu_ops.silu_mul(layer(x)))
+    else:
+        gate, up = want.chunk(2, dim=-1)
+        assert (hidden.double() - F.silu(gate) * up).abs().max() <= 1e-5 * (F.silu(gate) * up).abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
 @pytest.mark.parametrize("n", [32, 96, 160])
