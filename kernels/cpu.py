@@ -109,7 +109,9 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
     try:
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             failures = [f for f in pool.map(_run, commands[:-1]) if f]
-        failures = failures or [f for f in [_run(commands[-1])] if f]
+        if not failures:
+            link = _run(commands[-1])
+            failures = [link] if link else []
     finally:
         for obj in objects:
             obj.unlink(missing_ok=True)

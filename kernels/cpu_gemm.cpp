@@ -80,7 +80,6 @@ struct Prefetch {
       every = steps / share;
     }
   }
-  Prefetch() = default;
 };
 
 // Three quarters of a core's L2 (1 MiB where the C library does not say)
