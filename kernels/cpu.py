@@ -71,6 +71,9 @@ SIGNATURES = {
     "gemm_bf16_widened": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_gated_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    # x, tokens, d, top_k, chosen, weights, experts, gate_up, gate_up bias, down, down bias, inter, out, threads
+    "moe_experts_f32": (_INT, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _INT]),
+    "moe_experts_bf16": (_INT, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _INT]),
 }
 
 

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #include <unistd.h>
@@ -250,47 +251,118 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
   }
 }
 
-// Gated: n a multiple of 32 (whole gate / up vector pairs), threads split at pairs, y [m, n / 2].
+// Thread t of nt's share of one GEMM: a contiguous range of column vectors (of gate / up pairs
+// where Gated: n a multiple of 32, y [m, n / 2]). Called inside a parallel region.
 template <typename T, typename W, typename O, bool Gated = false>
-void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
-          int64_t ldy, int threads) {
+void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
+               const float* bias, O* y, int64_t ldy) {
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
   const int64_t vstride = std::is_same_v<T, uint16_t> ? k / 2 * 16 : k * 16;  // W elements per vector
-  const int used = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, vectors / unit)));
   // Prefetching the next panel pays where both panels stay in L2 beside x's rows; with more rows
   // (prefill chunks) a panel's reuse hides the first block's wait anyway, and the rows streaming
   // through L2 would evict the prefetched lines before their use.
   const int64_t panel_bytes = kCols * vstride * static_cast<int64_t>(sizeof(W));
   const bool prefetch = 2 * panel_bytes + m * k * static_cast<int64_t>(sizeof(T)) <= l2_budget();
-#pragma omp parallel num_threads(used)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
-    for (int64_t v = lo; v < hi; v += kCols) {
-      const int cn = static_cast<int>(std::min<int64_t>(kCols, hi - v));
-      const int lastn = (v + cn == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
-      const W* w = wp + v * vstride;
-      // the next panel of this thread's range (none after its last, none where it would not stay
-      // in L2 beside this one and the rows)
-      const W* next = w + cn * vstride;
-      const W* next_end = prefetch ? wp + std::min<int64_t>(hi, v + cn + kCols) * vstride : next;
-      const float* b = bias ? bias + v * 16 : nullptr;
-      O* out = y + v / unit * 16;
-      switch (cn) {
-        case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
-        case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
-        case 3:
-          if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
-          break;
-        default:
-          if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
-          break;
-      }
+  const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
+  for (int64_t v = lo; v < hi; v += kCols) {
+    const int cn = static_cast<int>(std::min<int64_t>(kCols, hi - v));
+    const int lastn = (v + cn == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
+    const W* w = wp + v * vstride;
+    // the next panel of this thread's range (none after its last, none where it would not stay
+    // in L2 beside this one and the rows)
+    const W* next = w + cn * vstride;
+    const W* next_end = prefetch ? wp + std::min<int64_t>(hi, v + cn + kCols) * vstride : next;
+    const float* b = bias ? bias + v * 16 : nullptr;
+    O* out = y + v / unit * 16;
+    switch (cn) {
+      case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
+      case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
+      case 3:
+        if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
+        break;
+      default:
+        if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
+        break;
     }
   }
 }
 
+// The threads that one GEMM of n columns can use (at least a column vector, a pair where Gated, each).
+template <bool Gated>
+int threads_for(int64_t n, int threads) {
+  const int64_t units = (n + 15) / 16 / (Gated ? 2 : 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, units)));
+}
+
+template <typename T, typename W, typename O, bool Gated = false>
+void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
+          int64_t ldy, int threads) {
+#pragma omp parallel num_threads(threads_for<Gated>(n, threads))
+  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy);
+}
+
+// A mixture-of-experts layer's experts (SwiGLU, gate_up packed gated) in one parallel region: the
+// (token, slot) pairs sorted by expert (stable: token order within an expert), their rows gathered,
+// every expert's gate_up GEMM with silu(gate) * up in its pass, then every expert's down GEMM, then
+// each token's weighted sum over its slots in float32 (slot order), rounded once. Each thread
+// takes its share of the columns of every expert's GEMMs, so work splits evenly whatever the
+// counts: one parallel region and three barriers a layer where one by one each expert took two
+// parallel regions and two Python calls.
+template <typename T, typename W>
+void experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen, const float* weights,
+             int64_t count_experts, const int64_t* gate_up, const int64_t* gate_up_bias, const int64_t* down,
+             const int64_t* down_bias, int64_t inter, T* out, int threads) {
+  const int64_t pairs = tokens * top_k;
+  std::unique_ptr<int64_t[]> start(new int64_t[count_experts + 1]());
+  for (int64_t j = 0; j < pairs; ++j) ++start[chosen[j] + 1];
+  for (int64_t e = 0; e < count_experts; ++e) start[e + 1] += start[e];
+  std::unique_ptr<int64_t[]> fill(new int64_t[count_experts]);
+  std::copy(start.get(), start.get() + count_experts, fill.get());
+  std::unique_ptr<int64_t[]> slot_of(new int64_t[pairs]);  // the sorted row of pair j
+  std::unique_ptr<int64_t[]> token_of(new int64_t[pairs]);  // the token of sorted row r
+  for (int64_t j = 0; j < pairs; ++j) {
+    const int64_t r = fill[chosen[j]]++;
+    slot_of[j] = r;
+    token_of[r] = j / top_k;
+  }
+  std::unique_ptr<T[]> xs(new T[pairs * d]), hidden(new T[pairs * inter]), ys(new T[pairs * d]);
+  auto weight = [](const int64_t* ptrs, int64_t e) { return reinterpret_cast<const W*>(ptrs[e]); };
+  auto bias = [](const int64_t* ptrs, int64_t e) { return ptrs ? reinterpret_cast<const float*>(ptrs[e]) : nullptr; };
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t r = pairs * t / nt; r < pairs * (t + 1) / nt; ++r)
+      std::memcpy(xs.get() + r * d, x + token_of[r] * d, d * sizeof(T));
+#pragma omp barrier
+    for (int64_t e = 0; e < count_experts; ++e) {
+      const int64_t m = start[e + 1] - start[e];
+      if (m)
+        gemm_part<T, W, T, true>(t, nt, xs.get() + start[e] * d, d, m, d, weight(gate_up, e), 2 * inter,
+                                 bias(gate_up_bias, e), hidden.get() + start[e] * inter, inter);
+    }
+#pragma omp barrier
+    for (int64_t e = 0; e < count_experts; ++e) {
+      const int64_t m = start[e + 1] - start[e];
+      if (m)
+        gemm_part<T, W, T>(t, nt, hidden.get() + start[e] * inter, inter, m, inter, weight(down, e), d,
+                           bias(down_bias, e), ys.get() + start[e] * d, d);
+    }
+#pragma omp barrier
+    for (int64_t i = tokens * t / nt; i < tokens * (t + 1) / nt; ++i) {
+      for (int64_t c = 0; c < d; c += 16) {
+        const int64_t width = std::min<int64_t>(16, d - c);
+        float acc[16] = {};
+        for (int64_t s = 0; s < top_k; ++s) {
+          const float w = weights[i * top_k + s];
+          const T* y = ys.get() + slot_of[i * top_k + s] * d + c;
+          for (int64_t j = 0; j < width; ++j) acc[j] += w * batchgen::load(y + j);
+        }
+        for (int64_t j = 0; j < width; ++j) batchgen::store(out + i * d + c + j, acc[j]);
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -394,6 +466,40 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// A mixture-of-experts layer's routed experts (see experts above): x [tokens, d]; chosen / weights
+// [tokens, top_k] (expert ids, routing weights); gate_up / down: each expert's packed weight
+// (gate_up packed gated, 2 * inter columns over d; down d columns over inter) as addresses;
+// biases likewise (float32 [2 * inter] / [d], an array of 0s or null for none); out [tokens, d].
+int moe_experts_f32(const float* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen,
+                    const float* weights, int64_t count_experts, const int64_t* gate_up, const int64_t* gate_up_bias,
+                    const int64_t* down, const int64_t* down_bias, int64_t inter, float* out, int threads) {
+#ifdef BATCHGEN_GEMM_F32
+  if (inter % 16) return 1;
+  experts<float, float>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias, down, down_bias,
+                        inter, out, threads);
+  return 0;
+#else
+  (void)x, (void)tokens, (void)d, (void)top_k, (void)chosen, (void)weights, (void)count_experts, (void)gate_up;
+  (void)gate_up_bias, (void)down, (void)down_bias, (void)inter, (void)out, (void)threads;
+  return 1;
+#endif
+}
+
+int moe_experts_bf16(const uint16_t* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen,
+                     const float* weights, int64_t count_experts, const int64_t* gate_up, const int64_t* gate_up_bias,
+                     const int64_t* down, const int64_t* down_bias, int64_t inter, uint16_t* out, int threads) {
+#ifdef BATCHGEN_GEMM_BF16
+  if (inter % 16 || d % 2) return 1;
+  experts<uint16_t, uint32_t>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias, down,
+                              down_bias, inter, out, threads);
+  return 0;
+#else
+  (void)x, (void)tokens, (void)d, (void)top_k, (void)chosen, (void)weights, (void)count_experts, (void)gate_up;
+  (void)gate_up_bias, (void)down, (void)down_bias, (void)inter, (void)out, (void)threads;
   return 1;
 #endif
 }

@@ -93,3 +93,76 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = F
         return None
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     return PackedWeight(packed, n, k, b, dtype, gated)
+
+
+class PackedExperts:
+    """A mixture-of-experts layer's routed SwiGLU experts on the kernel, in one call a layer:
+    ``gate_up`` packed gated (``silu(gate) * up`` in the GEMM's pass), ``down`` plain. Calling it
+    on ``x`` [T, d] with the router's ``weights`` [T, top_k] and ``chosen`` experts [T, top_k]
+    gives ``sum_s weights[t, s] * down_e(silu_mul(gate_up_e(x[t])))`` over each token's slots (e =
+    ``chosen[t, s]``), summed in float32 and rounded once to the weights' dtype."""
+
+    def __init__(self, gate_up: list[PackedWeight], down: list[PackedWeight]):
+        self.d, self.inter, self.dtype = down[0].n, down[0].k, down[0].dtype
+        self._keep = (gate_up, down)  # the packed tensors the addresses point into
+        self._gate_up = torch.tensor([w.packed.data_ptr() for w in gate_up], dtype=torch.int64)
+        self._down = torch.tensor([w.packed.data_ptr() for w in down], dtype=torch.int64)
+        self._gate_up_bias = self._biases(gate_up)
+        self._down_bias = self._biases(down)
+        self._run = getattr(load(), "moe_experts_" + DTYPE_SUFFIX[self.dtype])
+
+    @staticmethod
+    def _biases(weights: list[PackedWeight]) -> torch.Tensor | None:
+        if all(w.bias is None for w in weights):
+            return None
+        return torch.tensor([0 if w.bias is None else w.bias.data_ptr() for w in weights], dtype=torch.int64)
+
+    @classmethod
+    def of(cls, gate_up: list[PackedWeight | None], down: list[PackedWeight | None]) -> PackedExperts | None:
+        """The grouped experts, or None where some expert is not packed as the call needs (then the
+        caller runs them one by one)."""
+        if not gate_up or len(gate_up) != len(down):
+            return None
+        ups = [w for w in gate_up if w is not None and w.gated]
+        downs = [w for w in down if w is not None and not w.gated]
+        if len(ups) != len(gate_up) or len(downs) != len(down):
+            return None
+        d, inter, dtype = downs[0].n, downs[0].k, downs[0].dtype
+        if inter % 16 or any(
+            (u.n, u.k, u.dtype) != (2 * inter, d, dtype) or (w.n, w.k, w.dtype) != (d, inter, dtype)
+            for u, w in zip(ups, downs, strict=True)
+        ):
+            return None
+        return cls(ups, downs)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        assert x.dim() == 2 and x.shape[1] == self.d and x.dtype == self.dtype, (x.shape, self.d, x.dtype)
+        x = x.contiguous()
+        chosen = chosen.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        tokens, top_k = chosen.shape
+        out = torch.empty_like(x)
+        if tokens == 0:
+            return out
+
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        rc = self._run(
+            x.data_ptr(),
+            tokens,
+            self.d,
+            top_k,
+            chosen.data_ptr(),
+            weights.data_ptr(),
+            len(self._gate_up),
+            self._gate_up.data_ptr(),
+            ptr(self._gate_up_bias),
+            self._down.data_ptr(),
+            ptr(self._down_bias),
+            self.inter,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        assert rc == 0, "the packed experts' kernel is missing"  # pack() checked the GEMMs
+        return out

@@ -1,6 +1,9 @@
 """Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) over the flattened batch.
 
-The router picks ``top_k`` experts per token. Tokens are then grouped by expert with one stable
+The router picks ``top_k`` experts per token. Where the compiled GEMM kernel packed every expert
+(SwiGLU experts, ``gate_up`` gated), the routed experts run as one kernel call a layer
+(``kernels.cpu_gemm.PackedExperts``: the pairs sorted by expert, each expert's two GEMMs over its
+rows, the weighted sum per token in float32). Otherwise tokens are grouped by expert with one stable
 sort of the (token, expert) pairs, each expert runs one GEMM pair over all of its tokens, and the
 weighted outputs are scattered back with one ``index_add_``: the only Python loop is over experts.
 """
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.linear import Linear
+from kernels.cpu_gemm import PackedExperts
 
 
 @dataclass
@@ -82,9 +86,25 @@ class MoE:
         self.router, self.route, self.experts, self.unit = router, route, experts, unit
         self.shared, self.shared_gate = shared, shared_gate
         self.seconds = 0.0
+        # one kernel call for all routed experts where the kernel packed them all (gated: SiLU's unit)
+        self.grouped = PackedExperts.of([e.gate_up.kernel for e in experts], [e.down.kernel for e in experts])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(self.router(x))
+        out = self._grouped(x, weights, chosen) if self.grouped is not None else self._each(x, weights, chosen)
+        if self.shared is not None and self.shared_gate is not None:
+            shared = self.shared(x, self.unit)
+            out = out + torch.sigmoid(self.shared_gate(x)) * shared
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        assert self.grouped is not None
+        t0 = time.perf_counter()
+        out = self.grouped(x, weights, chosen)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _each(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         k = chosen.shape[1]
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -101,11 +121,7 @@ class MoE:
                 start += count
         self.seconds += time.perf_counter() - t0
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, ys)
-        if self.shared is not None and self.shared_gate is not None:
-            shared = self.shared(x, self.unit)
-            out = out + torch.sigmoid(self.shared_gate(x)) * shared
-        return out
+        return torch.zeros_like(x).index_add_(0, token, ys)
 
 
 def dense_unit(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -176,6 +176,56 @@ def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n):
         assert (got[0].double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, top_k, bias", [(1, 1, False), (7, 2, True), (130, 4, False)])
+def test_grouped_experts_equal_each_expert_on_its_rows(dtype, tokens, top_k, bias):
+    """A mixture-of-experts layer's experts in one kernel call: every token's output is the sum
+    over its slots of the routing weight times its expert's output on that token, the expert run
+    alone (the same packed GEMMs, whose rows do not depend on each other), summed in float64 here:
+    within one rounding to the dtype (2^-8 relative in bf16), 1e-5 in float32. Five experts, one
+    never chosen; strided input rows; with and without biases."""
+    if not kernel_runs(dtype):
+        pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
+    from batchgen.model.moe import Expert
+
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    experts_count, d, inter = 5, 64, 48
+
+    def linear(n: int, k: int, gated: bool = False) -> Linear:
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        return Linear(w, b, backends=["cpu"], strict=True, gated=gated)
+
+    experts = [Expert(linear(2 * inter, d, gated=True), linear(d, inter)) for _ in range(experts_count)]
+    grouped = cpu_gemm.PackedExperts.of([e.gate_up.kernel for e in experts], [e.down.kernel for e in experts])
+    assert grouped is not None
+    x = torch.randn(tokens, 2 * d, generator=gen).to(dtype)[:, ::2]
+    scores = torch.rand(tokens, experts_count - 1, generator=gen)  # expert 4 is never chosen
+    weights, chosen = torch.topk(torch.softmax(scores, dim=-1), top_k, dim=-1)
+    got = grouped(x, weights, chosen)
+    assert got.shape == (tokens, d) and got.dtype == dtype
+    want = torch.zeros(tokens, d, dtype=torch.float64)
+    for t in range(tokens):
+        for s in range(top_k):
+            alone = experts[int(chosen[t, s])](x[t : t + 1], lambda gate_up: gate_up)  # unit unused: gated
+            want[t] += float(weights[t, s]) * alone[0].double()
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - want).abs() <= rel * want.abs() + 1e-6 * want.abs().max()).all()
+
+
+@needs_kernel(torch.float32)
+def test_grouped_experts_need_every_expert_packed_alike():
+    """One expert not packed gated (its halves not whole vector pairs), a missing kernel, or
+    experts of different shapes: no grouped call (the layer runs them one by one)."""
+    gated = cpu_gemm.pack(torch.randn(64, 32), gated=True)
+    down = cpu_gemm.pack(torch.randn(32, 32))
+    assert cpu_gemm.PackedExperts.of([gated, gated], [down, down]) is not None
+    assert cpu_gemm.PackedExperts.of([gated, cpu_gemm.pack(torch.randn(64, 32))], [down, down]) is None
+    assert cpu_gemm.PackedExperts.of([gated, None], [down, down]) is None
+    assert cpu_gemm.PackedExperts.of([gated, gated], [down, cpu_gemm.pack(torch.randn(32, 48))]) is None
+    assert cpu_gemm.PackedExperts.of([], []) is None
+
+
 @needs_kernel(torch.float32)
 def test_gated_packing_needs_whole_vector_pairs():
     """[gate; up] halves that are not whole 16-column vectors pack plain (the activation then runs
@@ -227,6 +277,8 @@ def test_engine_packs_its_cpu_weights_unless_told_not_to(tmp_path, arch):
     moe = 1 + 2 * 6 + 3 - 2 if arch == "qwen2_moe" else 0
     assert len(packed.linears) == 4 * 2 + 1 + moe
     assert all(layer.kernel is not None for layer in packed.linears)
+    # the MoE layer's routed experts run as one kernel call
+    assert [layer.grouped is not None for layer in packed._moe_blocks] == ([True] if arch == "qwen2_moe" else [])
     onednn_llm = LLM(path, dtype="float32", device="cpu", linear_backend="onednn")
     assert onednn_llm.stats()["linear_backend"] == "onednn"
     assert all(
@@ -235,6 +287,7 @@ def test_engine_packs_its_cpu_weights_unless_told_not_to(tmp_path, arch):
     plain_llm = LLM(path, dtype="float32", device="cpu", linear_backend="torch")
     assert plain_llm.stats()["linear_backend"] == "torch"
     plain = plain_llm.engine.runner.model
+    assert all(layer.grouped is None for layer in onednn_llm.engine.runner.model._moe_blocks + plain._moe_blocks)
     assert (
         plain.lm_head.packed is None and plain.lm_head.kernel is None and plain.layers[0].qkv.kernel is None
     )
