@@ -310,12 +310,15 @@ void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
 // counts: one parallel region and three barriers a layer where one by one each expert took two
 // parallel regions and two Python calls.
 template <typename T, typename W>
-void experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen, const float* weights,
+int experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen, const float* weights,
              int64_t count_experts, const int64_t* gate_up, const int64_t* gate_up_bias, const int64_t* down,
              const int64_t* down_bias, int64_t inter, T* out, int threads) {
   const int64_t pairs = tokens * top_k;
   std::unique_ptr<int64_t[]> start(new int64_t[count_experts + 1]());
-  for (int64_t j = 0; j < pairs; ++j) ++start[chosen[j] + 1];
+  for (int64_t j = 0; j < pairs; ++j) {
+    if (chosen[j] < 0 || chosen[j] >= count_experts) return 2;
+    ++start[chosen[j] + 1];
+  }
   for (int64_t e = 0; e < count_experts; ++e) start[e + 1] += start[e];
   std::unique_ptr<int64_t[]> fill(new int64_t[count_experts]);
   std::copy(start.get(), start.get() + count_experts, fill.get());
@@ -362,6 +365,7 @@ void experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t
       }
     }
   }
+  return 0;
 }
 #endif
 
@@ -474,14 +478,14 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
 // [tokens, top_k] (expert ids, routing weights); gate_up / down: each expert's packed weight
 // (gate_up packed gated, 2 * inter columns over d; down d columns over inter) as addresses;
 // biases likewise (float32 [2 * inter] / [d], an array of 0s or null for none); out [tokens, d].
+// 2 for an expert id outside [0, count_experts), before anything is written.
 int moe_experts_f32(const float* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t* chosen,
                     const float* weights, int64_t count_experts, const int64_t* gate_up, const int64_t* gate_up_bias,
                     const int64_t* down, const int64_t* down_bias, int64_t inter, float* out, int threads) {
 #ifdef BATCHGEN_GEMM_F32
   if (inter % 16) return 1;
-  experts<float, float>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias, down, down_bias,
-                        inter, out, threads);
-  return 0;
+  return experts<float, float>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias, down,
+                               down_bias, inter, out, threads);
 #else
   (void)x, (void)tokens, (void)d, (void)top_k, (void)chosen, (void)weights, (void)count_experts, (void)gate_up;
   (void)gate_up_bias, (void)down, (void)down_bias, (void)inter, (void)out, (void)threads;
@@ -494,9 +498,8 @@ int moe_experts_bf16(const uint16_t* x, int64_t tokens, int64_t d, int64_t top_k
                      const int64_t* down, const int64_t* down_bias, int64_t inter, uint16_t* out, int threads) {
 #ifdef BATCHGEN_GEMM_BF16
   if (inter % 16 || d % 2) return 1;
-  experts<uint16_t, uint32_t>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias, down,
-                              down_bias, inter, out, threads);
-  return 0;
+  return experts<uint16_t, uint32_t>(x, tokens, d, top_k, chosen, weights, count_experts, gate_up, gate_up_bias,
+                                     down, down_bias, inter, out, threads);
 #else
   (void)x, (void)tokens, (void)d, (void)top_k, (void)chosen, (void)weights, (void)count_experts, (void)gate_up;
   (void)gate_up_bias, (void)down, (void)down_bias, (void)inter, (void)out, (void)threads;

@@ -109,6 +109,8 @@ class PackedExperts:
         self._down = torch.tensor([w.packed.data_ptr() for w in down], dtype=torch.int64)
         self._gate_up_bias = self._biases(gate_up)
         self._down_bias = self._biases(down)
+        self._gate_up_bias_ptr = 0 if self._gate_up_bias is None else self._gate_up_bias.data_ptr()
+        self._down_bias_ptr = 0 if self._down_bias is None else self._down_bias.data_ptr()
         self._run = getattr(load(), "moe_experts_" + DTYPE_SUFFIX[self.dtype])
 
     @staticmethod
@@ -144,10 +146,6 @@ class PackedExperts:
         out = torch.empty_like(x)
         if tokens == 0:
             return out
-
-        def ptr(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.data_ptr()
-
         rc = self._run(
             x.data_ptr(),
             tokens,
@@ -157,12 +155,14 @@ class PackedExperts:
             weights.data_ptr(),
             len(self._gate_up),
             self._gate_up.data_ptr(),
-            ptr(self._gate_up_bias),
+            self._gate_up_bias_ptr,
             self._down.data_ptr(),
-            ptr(self._down_bias),
+            self._down_bias_ptr,
             self.inter,
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        if rc == 2:
+            raise ValueError(f"expert ids must lie in [0, {len(self._gate_up)}), got {chosen.tolist()}")
         assert rc == 0, "the packed experts' kernel is missing"  # pack() checked the GEMMs
         return out

@@ -72,7 +72,8 @@ class MoE:
     """``router(x)`` gives logits [T, E]; ``route(logits)`` the weights and experts [T, k];
     ``unit(gate_up)`` the gated activation of an expert. A shared expert (Qwen2-MoE) is added
     to every token, scaled by ``sigmoid(shared_gate(x))``. ``seconds`` sums the time spent in the
-    experts' GEMMs and activations (host time: exact on the CPU)."""
+    experts' GEMMs and activations (host time: exact on the CPU; with the grouped call, also its
+    gather of the rows and its weighted sum)."""
 
     def __init__(
         self,

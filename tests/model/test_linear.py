@@ -224,6 +224,10 @@ def test_grouped_experts_need_every_expert_packed_alike():
     assert cpu_gemm.PackedExperts.of([gated, None], [down, down]) is None
     assert cpu_gemm.PackedExperts.of([gated, gated], [down, cpu_gemm.pack(torch.randn(32, 48))]) is None
     assert cpu_gemm.PackedExperts.of([], []) is None
+    grouped = cpu_gemm.PackedExperts.of([gated, gated], [down, down])
+    assert grouped is not None
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\), got \[\[0\], \[2\]\]"):
+        grouped(torch.randn(2, 32), torch.ones(2, 1), torch.tensor([[0], [2]]))
 
 
 @needs_kernel(torch.float32)
