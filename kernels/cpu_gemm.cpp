@@ -29,9 +29,13 @@
 // Threads take contiguous ranges of column vectors (no reduction across threads). Accumulation is
 // float32 from the bias (float32); the bf16 output is rounded to nearest even, as oneDNN and
 // torch round a bf16 GEMM's float32 accumulators, and can be written widened to float32 (the LM
-// head's logits: ``(x @ W^T).float()`` in one pass). Without AVX-512 (and AVX-512 BF16 for bf16)
-// the entry points return 1 and the caller keeps oneDNN or F.linear; tests/model/test_linear.py
-// checks both against F.linear in float64.
+// head's logits: ``(x @ W^T).float()`` in one pass).
+//
+// On AVX2 with FMA (no AVX-512) float32 runs the same packing, panels and threads with a block of
+// 3 rows x 2 column vectors on 8-float registers (12 accumulators, the 3 rows' broadcasts, one
+// weight register: all 16). bf16 needs AVX-512 BF16. Without either, the entry points return 1 and
+// the caller keeps oneDNN or F.linear; tests/model/test_linear.py checks every path the CPU has
+// against F.linear in float64.
 
 #include <algorithm>
 #include <cstdint>
@@ -44,9 +48,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define BATCHGEN_GEMM_F32 1
+#define BATCHGEN_GEMM_AVX512 1
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BATCHGEN_GEMM_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define BATCHGEN_GEMM_F32 1  // float32 only, on 8-float registers
 #endif
 
 #include <omp.h>
@@ -55,8 +63,15 @@
 
 namespace {
 
+#ifdef BATCHGEN_GEMM_AVX512
 constexpr int kRows = 6;  // rows per register block
 constexpr int kCols = 4;  // column vectors per register block
+#else
+// AVX2 has 16 registers of 8 floats: 3 rows x 2 column vectors (each two registers) keep 12
+// accumulators, the 3 rows' broadcasts and one weight register in them.
+constexpr int kRows = 3;
+constexpr int kCols = 2;
+#endif
 
 // Software prefetch of the next column panel while this one computes. A model's weights together
 // outgrow the caches, so every layer's panels come from memory once per step; without this, each
@@ -99,7 +114,7 @@ inline void prefetch_step(Prefetch& pf, int64_t& countdown) {
   for (int64_t p = 0; p < pf.per && pf.next < pf.end; ++p, pf.next += 64) __builtin_prefetch(pf.next, 0, 2);  // into L2
 }
 
-#ifdef BATCHGEN_GEMM_F32
+#ifdef BATCHGEN_GEMM_AVX512
 
 inline __mmask16 lanes(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
@@ -151,6 +166,59 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
       else
         _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
     }
+}
+
+#elif defined(BATCHGEN_GEMM_F32)
+
+// block_f32 on AVX2: each 16-column vector is two 8-float registers; the epilogue passes a row's
+// accumulators through memory (the tail vector's ``lastn`` lanes copied, silu(gate) * up computed
+// on 16-lane vectors as the AVX-512 block does).
+template <int R, int C, bool Gated, bool Pf>
+inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, int64_t vstride, const float* bias,
+                      float* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m256 acc[R][C][2];
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + c * 16 + h * 8) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[r][c][h] = b;
+    }
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    // the rows' broadcasts first, then one weight register at a time: R + 1 + 4R registers
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + i);
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 w = _mm256_load_ps(wp + c * vstride + i * 16 + h * 8);
+        for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+      }
+  }
+  // unrolled, so that the accumulators are only ever indexed by constants and stay in registers
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[C * 16];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(row + c * 16 + h * 8, acc[r][c][h]);
+    if constexpr (Gated) {
+      for (int c = 0; c < C; c += 2) {
+        const batchgen::v16 g = batchgen::load16(row + c * 16), u = batchgen::load16(row + (c + 1) * 16);
+        batchgen::store16(y + r * ldy + c / 2 * 16, batchgen::silu16(g) * u);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        float* out = y + r * ldy + c * 16;
+        if (c == C - 1 && lastn < 16) {
+          std::memcpy(out, row + c * 16, lastn * sizeof(float));
+        } else {
+          _mm256_storeu_ps(out, acc[r][c][0]);
+          _mm256_storeu_ps(out + 8, acc[r][c][1]);
+        }
+      }
+    }
+  }
 }
 
 #endif

@@ -70,7 +70,7 @@ class PackedWeight:
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> PackedWeight | None:
     """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
-    without AVX-512 or, for bfloat16, AVX-512 BF16; another dtype or device; an odd ``k`` in bf16;
+    without AVX-512 or AVX2 with FMA or, for bfloat16, AVX-512 BF16; another dtype or device; an odd ``k`` in bf16;
     ``gated`` [gate; up] rows whose halves are not whole 16-column vectors)."""
     dtype = weight.dtype
     if weight.dim() != 2 or dtype not in DTYPE_SUFFIX or weight.device.type != "cpu" or not available():
@@ -91,7 +91,10 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = F
         rc = load().gemm_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())  # 1 for an odd k
     if rc:
         return None
-    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    b = None
+    if bias is not None:  # padded to whole vectors: the kernel loads the bias a vector at a time
+        b = torch.zeros(vectors * 16, dtype=torch.float32)
+        b[:n] = bias.detach().to(torch.float32)
     return PackedWeight(packed, n, k, b, dtype, gated)
 
 
