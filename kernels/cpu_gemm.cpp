@@ -31,9 +31,10 @@
 // torch round a bf16 GEMM's float32 accumulators, and can be written widened to float32 (the LM
 // head's logits: ``(x @ W^T).float()`` in one pass).
 //
-// On AVX2 with FMA (no AVX-512) float32 runs the same packing, panels and threads with a block of
-// 3 rows x 2 column vectors on 8-float registers (12 accumulators, the 3 rows' broadcasts, one
-// weight register: all 16). bf16 needs AVX-512 BF16. Without either, the entry points return 1 and
+// On AVX2 with FMA (no AVX-512) both dtypes run the same packing, panels and threads with a block
+// of 3 rows x 2 column vectors on 8-float registers (12 accumulators, the 3 rows' broadcasts, one
+// weight register: all 16); bf16 pairs are widened to float32 in registers (see the AVX2
+// block_bf16). Without AVX2 and FMA, the entry points return 1 and
 // the caller keeps oneDNN or F.linear; tests/model/test_linear.py checks every path the CPU has
 // against F.linear in float64.
 
@@ -54,7 +55,8 @@
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define BATCHGEN_GEMM_F32 1  // float32 only, on 8-float registers
+#define BATCHGEN_GEMM_F32 1  // on 8-float registers
+#define BATCHGEN_GEMM_BF16 1  // bf16 weights widened to float32 in registers, FMA products
 #endif
 
 #include <omp.h>
@@ -221,9 +223,70 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
   }
 }
 
+
+// block_bf16 on AVX2 (no bf16 dot instruction): each 32-bit lane of the packed layout holds a K
+// pair of one column; shifting it left by 16 gives the first value as a float32, masking off the
+// low half the second, exactly. So per K pair, one pass over the C x 2 registers' worth of columns
+// with the first K value's broadcasts, then one with the second's (the same cache lines, from L1):
+// 12 accumulators, 3 broadcasts and one weight register, the 16 there are. Products of bf16 values
+// are exact in float32, so this sums the same products as the dot instruction; the output is
+// rounded once to bf16 (gated: at cpu_ops.cpp's rounding points).
+template <int R, int C, typename O, bool Gated, bool Pf>
+inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64_t k, int64_t vstride,
+                       const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m256 acc[R][C][2];
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + c * 16 + h * 8) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[r][c][h] = b;
+    }
+  alignas(32) static const uint32_t high[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                               0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k / 2; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    for (int half = 0; half < 2; ++half) {
+      __m256 xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(batchgen::load(x + r * ldx + 2 * i + half));
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs =
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + c * vstride + i * 16 + h * 8));
+          const __m256 w = half ? _mm256_and_ps(_mm256_castsi256_ps(pairs), _mm256_load_ps(reinterpret_cast<const float*>(high)))
+                                : _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+        }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[C * 16];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(row + c * 16 + h * 8, acc[r][c][h]);
+    if constexpr (Gated) {
+      for (int c = 0; c < C; c += 2) {
+        const batchgen::v16 g = batchgen::round_bf16(batchgen::load16(row + c * 16));
+        const batchgen::v16 u = batchgen::round_bf16(batchgen::load16(row + (c + 1) * 16));
+        batchgen::store16(y + r * ldy + c / 2 * 16, batchgen::round_bf16(batchgen::silu16(g)) * u);
+      }
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const int width = c == C - 1 ? lastn : 16;
+        alignas(64) O out[16];
+        if constexpr (std::is_same_v<O, float>)
+          batchgen::store16(out, batchgen::round_bf16(batchgen::load16(row + c * 16)));
+        else
+          batchgen::store16(out, batchgen::load16(row + c * 16));
+        std::memcpy(y + r * ldy + c * 16, out, width * sizeof(O));
+      }
+    }
+  }
+}
+
 #endif
 
-#ifdef BATCHGEN_GEMM_BF16
+#if defined(BATCHGEN_GEMM_BF16) && defined(BATCHGEN_GEMM_AVX512)
 
 // O: uint16_t (bf16 out) or float (bf16-rounded values widened to float32)
 template <int R, int C, typename O, bool Gated, bool Pf>

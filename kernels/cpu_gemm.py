@@ -70,7 +70,7 @@ class PackedWeight:
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> PackedWeight | None:
     """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
-    without AVX-512 or AVX2 with FMA or, for bfloat16, AVX-512 BF16; another dtype or device; an odd ``k`` in bf16;
+    without AVX-512 or AVX2 with FMA; another dtype or device; an odd ``k`` in bf16;
     ``gated`` [gate; up] rows whose halves are not whole 16-column vectors)."""
     dtype = weight.dtype
     if weight.dim() != 2 or dtype not in DTYPE_SUFFIX or weight.device.type != "cpu" or not available():

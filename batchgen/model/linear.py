@@ -5,7 +5,7 @@ On the CPU, float32 and bfloat16 weights are packed for the compiled GEMM kernel
 columns on AVX2), which runs the row counts of inference (1-256 rows per call) at 340-450 GFLOP/s
 in bf16 and 185-225 in float32 on 2 cores, where oneDNN's packed GEMM reaches 100-330 and 80-180
 below 64 rows. Where that kernel is not available (no compiler, a CPU without AVX-512 or AVX2
-with FMA for float32, without AVX-512 BF16 for bf16) weights are reordered into oneDNN's blocked layout and multiplied with
+with FMA) weights are reordered into oneDNN's blocked layout and multiplied with
 ``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. ``F.linear`` goes through
 MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a code path that ran the bench
 model's shapes at about a third of oneDNN's rate (``scripts/bench.py`` measures all three). Each
