@@ -172,6 +172,24 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
 
 #elif defined(BATCHGEN_GEMM_F32)
 
+// The AVX2 blocks' accumulators: R rows x C column vectors of two 8-float registers each.
+template <int R, int C>
+inline void start_from_bias(__m256 (&acc)[R][C][2], const float* bias) {
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + c * 16 + h * 8) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[r][c][h] = b;
+    }
+}
+
+// one row's accumulators into C * 16 floats (aligned), for the epilogues on 16-lane vectors
+template <int C>
+inline void store_row(const __m256 (&acc)[C][2], float* row) {
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(row + c * 16 + h * 8, acc[c][h]);
+}
+
 // block_f32 on AVX2: each 16-column vector is two 8-float registers; the epilogue passes a row's
 // accumulators through memory (the tail vector's ``lastn`` lanes copied, silu(gate) * up computed
 // on 16-lane vectors as the AVX-512 block does).
@@ -179,11 +197,7 @@ template <int R, int C, bool Gated, bool Pf>
 inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, int64_t vstride, const float* bias,
                       float* y, int64_t ldy, int lastn, Prefetch pf) {
   __m256 acc[R][C][2];
-  for (int c = 0; c < C; ++c)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 b = bias ? _mm256_loadu_ps(bias + c * 16 + h * 8) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) acc[r][c][h] = b;
-    }
+  start_from_bias<R, C>(acc, bias);
   int64_t countdown = pf.every;
   for (int64_t i = 0; i < k; ++i) {
     if constexpr (Pf) prefetch_step(pf, countdown);
@@ -200,9 +214,7 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     alignas(64) float row[C * 16];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h) _mm256_store_ps(row + c * 16 + h * 8, acc[r][c][h]);
+    store_row<C>(acc[r], row);
     if constexpr (Gated) {
       for (int c = 0; c < C; c += 2) {
         const batchgen::v16 g = batchgen::load16(row + c * 16), u = batchgen::load16(row + (c + 1) * 16);
@@ -227,21 +239,18 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
 // block_bf16 on AVX2 (no bf16 dot instruction): each 32-bit lane of the packed layout holds a K
 // pair of one column; shifting it left by 16 gives the first value as a float32, masking off the
 // low half the second, exactly. So per K pair, one pass over the C x 2 registers' worth of columns
-// with the first K value's broadcasts, then one with the second's (the same cache lines, from L1):
-// 12 accumulators, 3 broadcasts and one weight register, the 16 there are. Products of bf16 values
+// with the first K value's broadcasts, then one with the second's (the same cache lines, from L1),
+// so that 12 accumulators, 3 broadcasts and one weight register could fit the 16 registers (GCC
+// hoists both passes' broadcasts and spills a few accumulators; 36-47 GFLOP/s on a Zen 1, against
+// about 70 in float32). Products of bf16 values
 // are exact in float32, so this sums the same products as the dot instruction; the output is
 // rounded once to bf16 (gated: at cpu_ops.cpp's rounding points).
 template <int R, int C, typename O, bool Gated, bool Pf>
 inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64_t k, int64_t vstride,
                        const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
   __m256 acc[R][C][2];
-  for (int c = 0; c < C; ++c)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 b = bias ? _mm256_loadu_ps(bias + c * 16 + h * 8) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) acc[r][c][h] = b;
-    }
-  alignas(32) static const uint32_t high[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
-                                               0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+  start_from_bias<R, C>(acc, bias);
+  const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u)));  // the second of a pair
   int64_t countdown = pf.every;
   for (int64_t i = 0; i < k / 2; ++i) {
     if constexpr (Pf) prefetch_step(pf, countdown);
@@ -252,7 +261,7 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
         for (int h = 0; h < 2; ++h) {
           const __m256i pairs =
               _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + c * vstride + i * 16 + h * 8));
-          const __m256 w = half ? _mm256_and_ps(_mm256_castsi256_ps(pairs), _mm256_load_ps(reinterpret_cast<const float*>(high)))
+          const __m256 w = half ? _mm256_and_ps(_mm256_castsi256_ps(pairs), high)
                                 : _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
           for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
         }
@@ -261,9 +270,7 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     alignas(64) float row[C * 16];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h) _mm256_store_ps(row + c * 16 + h * 8, acc[r][c][h]);
+    store_row<C>(acc[r], row);
     if constexpr (Gated) {
       for (int c = 0; c < C; c += 2) {
         const batchgen::v16 g = batchgen::round_bf16(batchgen::load16(row + c * 16));
