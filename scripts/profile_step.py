@@ -12,7 +12,8 @@ the model forward and LM head.
 With the compiled CPU attention (the default where it builds) it also prints the rate at which the
 decode kernel reads K/V: every row's whole context (shared prefix blocks are read once per row),
 over the kernel's own time, against this machine's memcpy bandwidth (bytes copied per second by
-``Tensor.copy_`` of a 256 MiB buffer, same thread count).
+``Tensor.copy_`` of a 256 MiB buffer, same thread count); and the same over the distinct blocks
+the kernel reads each call (each shared block once, whole), what must come from memory.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def main() -> None:
     t = eng.runner.times
     t.copy = t.prepare = t.forward = t.attention = t.lm_head = 0.0
     backend = eng.runner.backend
-    kernel = {"s": 0.0, "bytes": 0}
+    kernel = {"s": 0.0, "bytes": 0, "distinct": 0}
+    calls = []  # (block table, context, block size, bytes per key) of each call, counted after the steps
     if isinstance(backend, CpuAttention):
         decode = backend._paged_decode
 
@@ -77,6 +79,7 @@ def main() -> None:
             kernel["s"] += time.perf_counter() - t1
             per_key = 2 * k_cache.shape[0] * k_cache.shape[-1] * k_cache.element_size()  # K and V
             kernel["bytes"] += int(context.sum()) * per_key
+            calls.append((tables.clone(), context.clone(), k_cache.shape[2], per_key))
             return out
 
         backend._paged_decode = timed
@@ -84,6 +87,9 @@ def main() -> None:
     for _ in range(args.steps):
         eng.step()
     wall = time.perf_counter() - t0
+    for tables, context, block_size, per_key in calls:
+        in_context = torch.arange(tables.shape[1]) < ((context + block_size - 1) // block_size)[:, None]
+        kernel["distinct"] += int(tables[in_context].unique().numel()) * block_size * per_key
     s = llm.stats()
     parts = {
         "model forward (linear layers, norms, rope)": s["forward_s"] - s["attention_s"],
@@ -108,10 +114,15 @@ def main() -> None:
     print(f"overhead outside the model forward and LM head: {(wall - model) / wall:.1%} of step time")
     if kernel["s"]:
         rate = kernel["bytes"] / kernel["s"] / 1e9
+        distinct = kernel["distinct"] / kernel["s"] / 1e9
         copy = memcpy_gb_s()
         print(
             f"decode attention kernel: {kernel['s'] / args.steps * 1000:.1f} ms / step, reads K/V at {rate:.1f} GB/s; "
             f"memcpy {copy:.1f} GB/s copied; ratio {rate / copy:.0%}"
+        )
+        print(
+            f"  distinct K/V blocks read: {distinct:.1f} GB/s ({kernel['distinct'] / kernel['bytes']:.0%} of the "
+            f"per-row bytes), {distinct / copy:.0%} of memcpy"
         )
 
 
