@@ -44,6 +44,9 @@ SIGNATURES = {
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads
     "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
+    # adjusted, raw, rows, vocab, inv_temp, top_p, seeds, counters, rounds, block, token, logprob,
+    # rejected, threads
+    "sample_rows": (_INT, [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]),
     # adjusted, raw, rows, vocab, token, raw_lse, threads
     "greedy_pick": (None, [_P, _P, _I, _I, _P, _P, _INT]),
     # x, w, rows, dim, eps, out, threads

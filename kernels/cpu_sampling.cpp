@@ -5,12 +5,140 @@
 // the tokens more likely than a threshold (the nucleus test of top-p by rejection). Rows that are
 // all greedy take a third: the argmax and the log-sum-exp alone, no probabilities written.
 //
+// ``sample_rows`` does all of it for rows that need neither top-k nor min-p: per row, the tempered
+// probabilities go to a per-thread scratch row that stays in cache (not to memory: on the CPU those
+// writes and the rereads cost more than the exponentials), and the draw, top-p by rejection and the
+// chosen token's log-probability follow from it in the same call.
+//
 // Rows are split over OpenMP threads. batchgen/engine/sampler.py's torch code is the reference
 // (tests/engine/test_sampler.py compares the two).
+
+#include <algorithm>
+#include <vector>
 
 #include "cpu_simd.h"
 
 using namespace batchgen;
+
+namespace {
+
+// One row's tempered probabilities exp((x - max) * t) into p (unnormalized), their sums over
+// consecutive ``block``-token slices into block_sums; returns the log-sum-exp of the raw logits y
+// (x itself where the pointers are equal).
+float tempered_row(const float* x, const float* y, int64_t vocab, float t, int64_t block, float* p,
+                   double* block_sums) {
+  const int64_t nblocks = (vocab + block - 1) / block;
+  const float mx = row_max(x, vocab);
+  const bool same = x == y && t == 1.0f;  // the raw distribution is the tempered one
+  const float my = x == y ? mx : row_max(y, vocab);
+  double raw_sum = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t j0 = b * block, j1 = j0 + block < vocab ? j0 + block : vocab;
+    const int64_t full = j0 + (j1 - j0) / 16 * 16;
+    v16 acc = v16{}, acc_raw = v16{};
+    for (int64_t j = j0; j < full; j += 16) {
+      const v16 e = exp16((load16(x + j) - mx) * t);
+      std::memcpy(p + j, &e, sizeof e);
+      acc += e;
+      if (!same) acc_raw += exp16(load16(y + j) - my);
+    }
+    float sum = hsum(acc), sum_raw = same ? sum : hsum(acc_raw);
+    for (int64_t j = full; j < j1; ++j) {
+      p[j] = exp_nonpositive((x[j] - mx) * t);
+      sum += p[j];
+      sum_raw += same ? p[j] : exp_nonpositive(y[j] - my);
+    }
+    block_sums[b] = sum;
+    raw_sum += sum_raw;
+  }
+  return my + static_cast<float>(std::log(raw_sum));
+}
+
+// The sum of p[0..vocab) over the values strictly greater than th: float lanes for a stretch of
+// 2048, then into a double.
+double mass_above_row(const float* p, int64_t vocab, float th) {
+  const v16 thv = v16{} + th;
+  const int64_t full = vocab / 16 * 16;
+  double total = 0.0;
+  for (int64_t j0 = 0; j0 < full; j0 += 2048) {
+    const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
+    v16 acc = v16{};
+    for (int64_t j = j0; j < j1; j += 16) {
+      const v16 v = load16(p + j);
+      acc += v > thv ? v : v16{};
+    }
+    total += hsum(acc);
+  }
+  for (int64_t j = full; j < vocab; ++j) total += p[j] > th ? p[j] : 0.0f;
+  return total;
+}
+
+// The first position of the largest of x[0..vocab) (as torch.argmax; NaN is never the largest here)
+int64_t argmax_row(const float* x, int64_t vocab, float* largest) {
+  const int64_t full = vocab / 16 * 16;
+  static const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  // each lane's largest value and its first position, then the lanes' first largest
+  v16 best = v16{} - INFINITY;
+  i32x16 at = iota;
+  for (int64_t j = 0; j < full; j += 16) {
+    const v16 v = load16(x + j);
+    const i32x16 gt = v > best;
+    best = gt ? v : best;
+    at = gt ? iota + static_cast<int32_t>(j) : at;
+  }
+  float mx = -INFINITY;
+  int64_t arg = 0;
+  for (int l = 0; l < 16; ++l)
+    if (best[l] > mx || (best[l] == mx && at[l] < arg)) mx = best[l], arg = at[l];
+  for (int64_t j = full; j < vocab; ++j)
+    if (x[j] > mx) mx = x[j], arg = j;
+  *largest = mx;
+  return arg;
+}
+
+// log(sum(exp(y - my))) + my over y[0..vocab), my its largest value
+float log_sum_exp_row(const float* y, int64_t vocab, float my) {
+  const int64_t full = vocab / 16 * 16;
+  double sum = 0.0;
+  for (int64_t j0 = 0; j0 < full; j0 += 2048) {  // float lanes for a stretch, then into a double
+    const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
+    v16 acc = v16{};
+    for (int64_t j = j0; j < j1; j += 16) acc += exp16(load16(y + j) - my);
+    sum += hsum(acc);
+  }
+  for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(y[j] - my);
+  return my + static_cast<float>(std::log(sum));
+}
+
+// batchgen.engine.sampler.uniform: a uniform number in [0, 1) from (seed, counter) alone
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+inline double uniform(uint64_t seed, uint64_t counter) {
+  return static_cast<double>(splitmix64(splitmix64(seed) ^ counter) >> 11) / 9007199254740992.0;
+}
+
+// batchgen.engine.sampler._draw for one row: the inverse-CDF draw at ``target`` (in [0, total)),
+// the block from the cumulative block sums, the token from a cumulative sum inside it.
+int64_t draw_row(const float* p, int64_t vocab, int64_t block, const double* cdf, int64_t nblocks, double target) {
+  int64_t b = std::lower_bound(cdf, cdf + nblocks, target) - cdf;
+  b = b < nblocks - 1 ? b : nblocks - 1;
+  const double rest = target - (b > 0 ? cdf[b - 1] : 0.0);
+  double run = 0.0;
+  int64_t j = 0;
+  for (; j < block; ++j) {
+    const int64_t col = b * block + j;
+    run += col < vocab ? static_cast<double>(p[col]) : 0.0;
+    if (run >= rest) break;
+  }
+  const int64_t idx = b * block + (j < block ? j : block - 1);
+  return idx < vocab - 1 ? idx : vocab - 1;
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -22,36 +150,9 @@ int tempered_softmax(const float* adjusted, const float* raw, int64_t rows, int6
   if (block % 16) return 1;
   const int64_t nblocks = (vocab + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = adjusted + r * vocab;
-    const float* y = raw + r * vocab;
-    float* p = probs + r * vocab;
-    const float t = inv_temp[r];
-    const float mx = row_max(x, vocab);
-    const bool same = x == y && t == 1.0f;  // the raw distribution is the tempered one
-    const float my = x == y ? mx : row_max(y, vocab);
-    double raw_sum = 0.0;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t j0 = b * block, j1 = j0 + block < vocab ? j0 + block : vocab;
-      const int64_t full = j0 + (j1 - j0) / 16 * 16;
-      v16 acc = v16{}, acc_raw = v16{};
-      for (int64_t j = j0; j < full; j += 16) {
-        const v16 e = exp16((load16(x + j) - mx) * t);
-        std::memcpy(p + j, &e, sizeof e);
-        acc += e;
-        if (!same) acc_raw += exp16(load16(y + j) - my);
-      }
-      float sum = hsum(acc), sum_raw = same ? sum : hsum(acc_raw);
-      for (int64_t j = full; j < j1; ++j) {
-        p[j] = exp_nonpositive((x[j] - mx) * t);
-        sum += p[j];
-        sum_raw += same ? p[j] : exp_nonpositive(y[j] - my);
-      }
-      block_sums[r * nblocks + b] = sum;
-      raw_sum += sum_raw;
-    }
-    raw_lse[r] = my + static_cast<float>(std::log(raw_sum));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    raw_lse[r] = tempered_row(adjusted + r * vocab, raw + r * vocab, vocab, inv_temp[r], block, probs + r * vocab,
+                              block_sums + r * nblocks);
   return 0;
 }
 
@@ -59,38 +160,13 @@ int tempered_softmax(const float* adjusted, const float* raw, int64_t rows, int6
 // is never the largest here) and the log-sum-exp of ``raw`` (the same pointer when they are).
 void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, int64_t* token,
                  float* raw_lse, int threads) {
-  const int64_t full = vocab / 16 * 16;
-  static const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = adjusted + r * vocab;
     const float* y = raw + r * vocab;
-    // each lane's largest value and its first position, then the lanes' first largest
-    v16 best = v16{} - INFINITY;
-    i32x16 at = iota;
-    for (int64_t j = 0; j < full; j += 16) {
-      const v16 v = load16(x + j);
-      const i32x16 gt = v > best;
-      best = gt ? v : best;
-      at = gt ? iota + static_cast<int32_t>(j) : at;
-    }
-    float mx = -INFINITY;
-    int64_t arg = 0;
-    for (int l = 0; l < 16; ++l)
-      if (best[l] > mx || (best[l] == mx && at[l] < arg)) mx = best[l], arg = at[l];
-    for (int64_t j = full; j < vocab; ++j)
-      if (x[j] > mx) mx = x[j], arg = j;
-    token[r] = arg;
-    const float my = x == y ? mx : row_max(y, vocab);
-    double sum = 0.0;
-    for (int64_t j0 = 0; j0 < full; j0 += 2048) {  // float lanes for a stretch, then into a double
-      const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
-      v16 acc = v16{};
-      for (int64_t j = j0; j < j1; j += 16) acc += exp16(load16(y + j) - my);
-      sum += hsum(acc);
-    }
-    for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(y[j] - my);
-    raw_lse[r] = my + static_cast<float>(std::log(sum));
+    float mx;
+    token[r] = argmax_row(x, vocab, &mx);
+    raw_lse[r] = log_sum_exp_row(y, vocab, x == y ? mx : row_max(y, vocab));
   }
 }
 
@@ -99,23 +175,51 @@ void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t 
 void mass_above(const float* probs, int64_t vocab, const int64_t* row_index, int64_t n, const float* threshold,
                 double* out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) {
-    const float* p = probs + row_index[i] * vocab;
-    const float th = threshold[i];
-    const v16 thv = v16{} + th;
-    const int64_t full = vocab / 16 * 16;
-    double total = 0.0;
-    for (int64_t j0 = 0; j0 < full; j0 += 2048) {  // float lanes for a stretch, then into a double
-      const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
-      v16 acc = v16{};
-      for (int64_t j = j0; j < j1; j += 16) {
-        const v16 v = load16(p + j);
-        acc += v > thv ? v : v16{};
+  for (int64_t i = 0; i < n; ++i) out[i] = mass_above_row(probs + row_index[i] * vocab, vocab, threshold[i]);
+}
+
+// One token per row, in one call: ``inv_temp[r]`` 0 marks a greedy row (the argmax of ``adjusted``),
+// the others draw from exp((adjusted - max) * inv_temp) by inverse CDF with
+// uniform(seeds[r], counters[r] + attempt), accepted at once where ``top_p[r]`` >= 1, else where the
+// mass of the tokens strictly more likely than the draw is below top_p of the total (top-p by
+// rejection, up to ``rounds`` attempts; ``rejected[r]`` 1 where none was accepted, and the caller
+// settles that row by sorting). logprob: the raw log-probability of the token (raw[token] minus the
+// log-sum-exp of ``raw``). block: a multiple of 16 (returns 1 otherwise). The arithmetic is that of
+// tempered_softmax, mass_above and batchgen.engine.sampler._draw, so the tokens are theirs.
+int sample_rows(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, const float* inv_temp,
+                const float* top_p, const uint64_t* seeds, const int64_t* counters, int64_t rounds, int64_t block,
+                int64_t* token, float* logprob, uint8_t* rejected, int threads) {
+  if (block % 16) return 1;
+  const int64_t nblocks = (vocab + block - 1) / block;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> p(vocab + 16);
+    std::vector<double> cdf(nblocks);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = adjusted + r * vocab;
+      const float* y = raw + r * vocab;
+      rejected[r] = 0;
+      if (inv_temp[r] == 0.0f) {
+        float mx;
+        token[r] = argmax_row(x, vocab, &mx);
+        logprob[r] = y[token[r]] - log_sum_exp_row(y, vocab, x == y ? mx : row_max(y, vocab));
+        continue;
       }
-      total += hsum(acc);
+      const float lse = tempered_row(x, y, vocab, inv_temp[r], block, p.data(), cdf.data());
+      for (int64_t b = 1; b < nblocks; ++b) cdf[b] += cdf[b - 1];
+      const double total = cdf[nblocks - 1];
+      int64_t tok = 0;
+      bool ok = false;
+      for (int64_t a = 0; a < rounds && !ok; ++a) {
+        tok = draw_row(p.data(), vocab, block, cdf.data(), nblocks, uniform(seeds[r], counters[r] + a) * total);
+        ok = top_p[r] >= 1.0f || mass_above_row(p.data(), vocab, p[tok]) < static_cast<double>(top_p[r]) * total;
+      }
+      token[r] = tok;
+      rejected[r] = ok ? 0 : 1;
+      logprob[r] = y[tok] - lse;
     }
-    for (int64_t j = full; j < vocab; ++j) total += p[j] > th ? p[j] : 0.0f;
-    out[i] = total;
   }
+  return 0;
 }
 }

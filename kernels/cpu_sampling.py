@@ -4,6 +4,7 @@ torch code is the reference and the fallback."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.cpu import load
@@ -75,3 +76,49 @@ def mass_above(probs: torch.Tensor, rows: torch.Tensor, threshold: torch.Tensor)
         torch.get_num_threads(),
     )
     return out
+
+
+def sample_rows(
+    adjusted: torch.Tensor,
+    raw: torch.Tensor,
+    inv_temp: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: list[int],
+    counters: list[int],
+    rounds: int,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row of float32 logits [rows, vocab] on the CPU, in one pass per row without
+    writing the probabilities: ``inv_temp`` 0 marks a greedy row (the argmax of ``adjusted``); the
+    others draw from ``exp((adjusted - max) * inv_temp)`` with ``uniform(seed, counter + attempt)``,
+    accepted at once where ``top_p`` >= 1, else by top-p rejection over up to ``rounds`` attempts.
+    Returns the tokens (int64), their raw log-probabilities (float32, from ``raw``) and which rows
+    no attempt was accepted for (bool: the caller settles those by sorting)."""
+    rows, vocab = adjusted.shape
+    adjusted, raw = adjusted.contiguous(), raw.contiguous()
+    inv_temp = inv_temp.to(torch.float32).contiguous()
+    top_p = top_p.to(torch.float32).contiguous()
+    seed_array = np.array([s & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64)
+    counter = torch.tensor(counters, dtype=torch.int64)
+    token = torch.empty(rows, dtype=torch.int64)
+    logprob = torch.empty(rows, dtype=torch.float32)
+    rejected = torch.empty(rows, dtype=torch.uint8)
+    rc = load().sample_rows(
+        adjusted.data_ptr(),
+        raw.data_ptr(),
+        rows,
+        vocab,
+        inv_temp.data_ptr(),
+        top_p.data_ptr(),
+        seed_array.ctypes.data,
+        counter.data_ptr(),
+        rounds,
+        block,
+        token.data_ptr(),
+        logprob.data_ptr(),
+        rejected.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise ValueError(f"sample_rows: block {block} is not a multiple of 16")
+    return token, logprob, rejected.bool()

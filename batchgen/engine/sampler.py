@@ -106,6 +106,7 @@ def _splitmix64_np(x: np.ndarray) -> np.ndarray:
 
 
 _BLOCK = 128
+_REJECTION_ROUNDS = 4  # top-p draws tried before a row is settled by sorting
 
 
 def _block_sums(probs: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ def _sample_top_p_by_rejection(
     top_p: torch.Tensor,
     sums: torch.Tensor | None = None,
     fused: ModuleType | None = None,
-    rounds: int = 4,
+    rounds: int = _REJECTION_ROUNDS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from the full distribution (unnormalized ``probs``) and accept a token iff it lies in
     the nucleus (the mass of strictly more likely tokens is below ``top_p``): accepted draws follow
@@ -156,7 +157,7 @@ def _sample_top_p_by_rejection(
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     pending = torch.arange(n, device=dev)
     sums = _block_sums(probs) if sums is None else sums
-    total = sums.sum(dim=-1)
+    total = sums.cumsum(dim=-1)[:, -1]  # as _draw's: the last of the cumulative block sums
     for attempt in range(rounds):
         if pending.numel() == 0:
             break
@@ -235,6 +236,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = Non
         tokens, lse = kernels.greedy_pick(x, logits)
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
+    if kernels is not None and not any(r.params.top_k > 0 or r.params.min_p for r in rows):
+        return _sample_in_one_pass(x, logits, rows, kernels)
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
     if kernels is not None:
         inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
@@ -262,6 +265,26 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = Non
         raw_probs = torch.softmax(logits, dim=-1)
     chosen, top = _logprobs(logits, raw_probs, tokens, rows)
     return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+
+def _sample_in_one_pass(x: torch.Tensor, logits: torch.Tensor, rows: list[SampleRow], kernels: ModuleType) -> SampleResult:
+    """``sample`` on the compiled kernels for rows without top-k and min-p: greedy, plain and top-p
+    draws and the log-probabilities in one call (``kernels.sample_rows``) that keeps each row's
+    probabilities in cache; the rows top-p by rejection did not settle go to the sort path, as in
+    ``_draw_rows``. The tokens are those of the multi-pass route (the same arithmetic)."""
+    inv_temp = torch.tensor([1.0 / r.params.temperature if r.params.temperature else 0.0 for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+    tokens, chosen, rejected = kernels.sample_rows(
+        x, logits, inv_temp, top_p, [r.seed for r in rows], [r.step * 8 for r in rows], _REJECTION_ROUNDS, _BLOCK
+    )
+    left = torch.nonzero(rejected).flatten()
+    if left.numel():
+        probs, _, lse = kernels.tempered_softmax(x[left], logits[left], inv_temp[left], _BLOCK)
+        sub_rows = [rows[i] for i in left.tolist()]
+        no_k = torch.zeros(len(sub_rows), dtype=torch.long)
+        tokens[left] = _sample_sorted(probs, sub_rows, list(range(len(sub_rows))), no_k, top_p[left])
+        chosen[left] = logits[left].gather(1, tokens[left][:, None]).squeeze(1) - lse
+    return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
 
 
 def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

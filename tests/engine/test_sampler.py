@@ -185,3 +185,42 @@ def test_fused_sampler_draws_what_the_torch_one_draws():
         if ea is not None:
             assert ea.keys() == eb.keys()
             assert all(ea[t].rank == eb[t].rank and abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
+
+
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+def test_one_pass_sampler_draws_what_the_torch_one_draws():
+    """Rows without top-k and min-p take the one-pass kernel (``sample_rows``: no probabilities
+    written): the same tokens and log-probabilities as the torch code over greedy, plain and top-p
+    rows, temperatures above and below 1, blocked tokens, a vocabulary that is not a multiple of 16,
+    and top-p rows whose nucleus is so small that every rejection round fails (settled by sorting,
+    as the torch code does)."""
+    from kernels.cpu_sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(96, 5003, generator=gen) * 2
+    logits[::7] *= 0.05  # nearly flat rows: a nucleus of 1-2% rejects almost every draw
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.6, top_p=0.5, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.02),
+        SamplingParams(temperature=1.0, top_p=0.95),
+    ]
+    rows = [SampleRow(kinds[i % len(kinds)], 77 + 13 * i, i % 9, [], 0, [5] if i % 4 == 0 else []) for i in range(96)]
+    a, b = sample(logits, rows, fused=True), sample(logits, rows, fused=False)
+    assert a.tokens == b.tokens
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert all(a.tokens[i] != 5 for i in range(0, 96, 4))  # blocked
+    for ea, eb in zip(a.top_logprobs, b.top_logprobs, strict=True):
+        assert (ea is None) == (eb is None)
+        if ea is not None:
+            assert ea.keys() == eb.keys()
+    # the sort path was taken: some rows were rejected in every round
+    inv_temp = torch.tensor([1.0 / r.params.temperature if r.params.temperature else 0.0 for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows])
+    _, _, rejected = sample_rows(
+        logits, logits, inv_temp, top_p, [r.seed for r in rows], [r.step * 8 for r in rows], 4, 128
+    )
+    assert 0 < int(rejected.sum()) < 96
+    assert all(rows[i].params.top_p < 1 for i in torch.nonzero(rejected).flatten().tolist())
