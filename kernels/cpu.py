@@ -33,8 +33,8 @@ FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # q, k, v, tables, width, context lengths, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
-# window, softcap, sinks, out, threads
-_DECODE = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _P, _INT]
+# window, softcap, sinks, out, threads, share (rows with common first blocks together)
+_DECODE = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _P, _INT, _INT]
 SIGNATURES = {
     "paged_decode_f32": (_INT, _DECODE),
     "paged_decode_bf16": (_INT, _DECODE),

@@ -4,10 +4,16 @@
 //
 // Work item: one (row, kv head) pair; its ``heads / kv_heads`` query heads share each key block
 // while it is in L1. Items are split over OpenMP threads (torch's own libgomp: same soname, so
-// one thread pool in the process). Accumulation is in float32 for every cache dtype.
+// one thread pool in the process). Accumulation is in float32 for every cache dtype. Before
+// that, consecutive rows whose tables start with the same blocks run those blocks together
+// (attend_shared: one work item per pack of rows and kv head), and each row's item goes on from
+// the pack's softmax state.
 //
 // Built at first use by kernels/cpu.py; the torch backend is the reference it is tested
 // against (tests/kernels/test_cpu_attention.py).
+
+#include <algorithm>
+#include <vector>
 
 #include "cpu_simd.h"
 
@@ -155,10 +161,13 @@ inline Tile tile_at(int64_t tile, int64_t start, int64_t ctx, const int64_t* tab
 // one rescale of the accumulators per tile, the running sum kept as a vector and summed once at
 // the end (per chunk, that serial chain of reductions and exponentials bounded the kernel). Then
 // each value vector is loaded once for all the group's heads, whose accumulators stay in registers.
+//
+// ``init`` (or null): the state of each of the group's heads over the row's first ``from`` keys
+// (attend_shared's, stride head_dim + 2), which the loop goes on from.
 template <typename T, int G, int N>  // N: head_dim / 16
 void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
                 int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window, float softcap,
-                const float* sinks, T* out) {
+                const float* sinks, int64_t from, const float* init, T* out) {
   constexpr int D = 16 * N;
   constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -175,8 +184,14 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     m[h] = sinks ? sinks[h] : -INFINITY;
     lsum[h] = v16{};
     lsum[h][0] = sinks ? 1.0f : 0.0f;  // a sink: one more logit whose value vector is zero
+    if (init) {
+      const float* st = init + h * (D + 2);
+      m[h] = st[0];
+      lsum[h][0] = st[1];
+      for (int c = 0; c < N; ++c) acc[h][c] = load16(st + 2 + c * 16);
+    }
   }
-  const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+  const int64_t start = std::max(window > 0 && ctx > window ? ctx - window : 0, from);
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
     const Tile at = tile_at(tile, start, ctx, table, head_base, block_size, D);
@@ -246,7 +261,8 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 template <int G, int N>  // N: head_dim / 16 (even)
 void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                      int64_t ctx, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale,
-                     int64_t window, float softcap, const float* sinks, uint16_t* out) {
+                     int64_t window, float softcap, const float* sinks, int64_t from, const float* init,
+                     uint16_t* out) {
   constexpr int D = 16 * N, P = N / 2;  // P: 32-element pieces of a head
   constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -263,8 +279,16 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
     m[h] = sinks ? sinks[h] : -INFINITY;
     lsum[h] = v16{};
     lsum[h][0] = sinks ? 1.0f : 0.0f;
+    if (init) {  // into the accumulators' unpack order
+      const float* st = init + h * (D + 2);
+      m[h] = st[0];
+      lsum[h][0] = st[1];
+      for (int c = 0; c < P; ++c)
+        for (int s = 0; s < 2; ++s)
+          for (int i = 0; i < 16; ++i) acc[h][2 * c + s][i] = st[2 + 32 * c + 8 * (i / 4) + 4 * s + i % 4];
+    }
   }
-  const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+  const int64_t start = std::max(window > 0 && ctx > window ? ctx - window : 0, from);
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t tile = start / 16 * 16; tile < ctx; tile += 16 * C) {
@@ -325,19 +349,224 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
 }
 #endif
 
-// Dot: bfloat16 products on the bf16 dot instruction where it was compiled in
-template <typename T, int G, bool Dot>
-bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
-                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
-                  const float* sinks, T* out) {
+// Rows whose block tables start with the same blocks (the n samples of one prompt, the beams of one
+// search, prompts with a cached prefix) attend to those keys together: one pass over the shared
+// blocks for the query heads of up to 16 / group rows, one query head per vector lane. The scores
+// of 16 keys are 16 lane vectors, each the sum over head_dim of a query vector (head_dim-major,
+// laid out once per call) times a broadcast key element, with no reduction across lanes; the
+// weighted sum likewise (accumulators head_dim-major, a broadcast value element times the lane
+// vector of weights). Each shared key and value is read once for all the rows, not once per row,
+// and the products are FMAs with no shuffles. The online softmax runs per lane, one step per 16
+// keys. bfloat16 keys and values are widened once per 16 keys, the products are in float32.
+//
+// state: per (row, query head) of the pack, [running max, running sum, head_dim accumulators], the
+// start the per-row pass (attend_vec, attend_bf16_dot) goes on from over the row's other keys.
+constexpr int kLanes = 16;
+
+template <typename T, int N>  // N: head_dim / 16
+void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache, const int64_t* table, int64_t keys,
+                   int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale,
+                   const float* sinks, float* state) {
+  constexpr int D = 16 * N;
+  alignas(64) float qt[D][kLanes];   // qt[i][lane]: element i of the lane's query (scaled); 0 in unused lanes
+  alignas(64) float acc[D][kLanes];  // the same layout for the weighted sums
+  alignas(64) float kw[sizeof(T) == 2 ? 16 * D : 1], vw[sizeof(T) == 2 ? 16 * D : 1];
+  v16 m = v16{} - INFINITY, l = v16{};
+  for (int i = 0; i < D; ++i)
+    for (int lane = 0; lane < kLanes; ++lane) qt[i][lane] = acc[i][lane] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t lane = r * group + g, head = kv_head * group + g;
+      const T* qh = q + (r * heads + head) * D;
+      for (int i = 0; i < D; ++i) qt[i][lane] = load(qh + i) * scale;
+      if (sinks) {  // a sink: one more logit whose value vector is zero
+        m[lane] = sinks[head];
+        l[lane] = 1.0f;
+      }
+    }
+  const int64_t head_base = kv_head * num_blocks * block_size * D;
+  for (int64_t pos = 0; pos < keys; pos += 16) {
+    const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+    const float* kf = reinterpret_cast<const float*>(k_cache + base);
+    const float* vf = reinterpret_cast<const float*>(v_cache + base);
+    if constexpr (sizeof(T) == 2) {
+      for (int i = 0; i < 16 * D; i += 16) {
+        store16(kw + i, load16(k_cache + base + i));
+        store16(vw + i, load16(v_cache + base + i));
+      }
+      kf = kw;
+      vf = vw;
+    }
+    v16 s[16];
+    for (int k = 0; k < 16; ++k) s[k] = v16{};
+    for (int i = 0; i < D; ++i) {
+      const v16 qi = load16(qt[i]);
+      for (int k = 0; k < 16; ++k) s[k] += qi * kf[k * D + i];
+    }
+    v16 top = s[0];
+    for (int k = 1; k < 16; ++k) top = s[k] > top ? s[k] : top;
+    const v16 mx = top > m ? top : m;
+    const v16 corr = exp16(m - mx);  // 0 where m is -inf (no key yet), 1 where the maximum stays
+    l *= corr;
+    for (int k = 0; k < 16; ++k) {
+      s[k] = exp16(s[k] - mx);
+      l += s[k];
+    }
+    m = mx;
+    for (int i0 = 0; i0 < D; i0 += 8) {  // 8 independent accumulator chains
+      v16 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = load16(acc[i0 + i]) * corr;
+      for (int k = 0; k < 16; ++k)
+        for (int i = 0; i < 8; ++i) a[i] += s[k] * vf[k * D + i0 + i];
+      for (int i = 0; i < 8; ++i) store16(acc[i0 + i], a[i]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t lane = r * group + g;
+      float* st = state + (r * heads + kv_head * group + g) * (D + 2);
+      st[0] = m[lane];
+      st[1] = l[lane];
+      for (int i = 0; i < D; ++i) st[2 + i] = acc[i][lane];
+    }
+}
+
+#ifdef BATCHGEN_BF16_DOT
+// attend_shared on the bf16 dot instruction, with the numerics of attend_bf16_dot: scores from
+// bf16 query x key pairs along head_dim (each lane's query pairs as they come, each key pair
+// broadcast), the weighted sum from the weights rounded to bf16 in pairs of keys x the values of
+// the same two keys, interleaved once per 16 keys by 16-bit unpacks (the accumulators then hold
+// head_dim in the unpack order, put back in place in the state).
+template <int N>  // N: head_dim / 16 (even)
+void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const uint16_t* v_cache,
+                            const int64_t* table, int64_t keys, int64_t rows, int64_t group, int64_t num_blocks,
+                            int64_t block_size, int64_t kv_head, float scale, const float* sinks, float* state) {
+  constexpr int D = 16 * N, P = N / 2;
+  alignas(64) uint32_t qp[D / 2][kLanes];  // qp[j][lane]: the lane's query elements 2j, 2j + 1
+  alignas(64) float acc[D][kLanes];        // acc[e][lane]: element e in the unpack order
+  alignas(64) uint32_t vp[8][D];           // vp[j][e]: values of keys 2j, 2j + 1 at element e (unpack order)
+  v16 m = v16{} - INFINITY, l = v16{};
+  for (int i = 0; i < D; ++i)
+    for (int lane = 0; lane < kLanes; ++lane) acc[i][lane] = 0.0f;
+  for (int j = 0; j < D / 2; ++j)
+    for (int lane = 0; lane < kLanes; ++lane) qp[j][lane] = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t lane = r * group + g, head = kv_head * group + g;
+      const uint16_t* qh = q + (r * heads + head) * D;
+      for (int j = 0; j < D / 2; ++j) std::memcpy(&qp[j][lane], qh + 2 * j, 4);
+      if (sinks) {
+        m[lane] = sinks[head];
+        l[lane] = 1.0f;
+      }
+    }
+  const int64_t head_base = kv_head * num_blocks * block_size * D;
+  for (int64_t pos = 0; pos < keys; pos += 16) {
+    const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+    const uint16_t* kb = k_cache + base;
+    const uint16_t* vb = v_cache + base;
+    for (int j = 0; j < 8; ++j)
+      for (int c = 0; c < P; ++c) {
+        const __m512i x = _mm512_loadu_si512(vb + 2 * j * D + c * 32);
+        const __m512i y = _mm512_loadu_si512(vb + (2 * j + 1) * D + c * 32);
+        _mm512_store_si512(&vp[j][32 * c], _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(&vp[j][32 * c + 16], _mm512_unpackhi_epi16(x, y));
+      }
+    __m512 s[16];
+    for (int k = 0; k < 16; ++k) s[k] = _mm512_setzero_ps();
+    for (int j = 0; j < D / 2; ++j) {
+      const __m512bh qj = (__m512bh)_mm512_load_si512(qp[j]);
+      for (int k = 0; k < 16; ++k) {
+        uint32_t pair;
+        std::memcpy(&pair, kb + k * D + 2 * j, 4);
+        s[k] = _mm512_dpbf16_ps(s[k], qj, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+      }
+    }
+    v16 e[16];
+    v16 top = v16{} - INFINITY;
+    for (int k = 0; k < 16; ++k) {
+      e[k] = (v16)s[k] * scale;
+      top = e[k] > top ? e[k] : top;
+    }
+    const v16 mx = top > m ? top : m;
+    const v16 corr = exp16(m - mx);
+    l *= corr;
+    __m512bh w[8];  // lane: the weights of keys 2j (low half) and 2j + 1 as bf16
+    for (int k = 0; k < 16; ++k) {
+      e[k] = exp16(e[k] - mx);
+      l += e[k];
+    }
+    for (int j = 0; j < 8; ++j) {
+      const v16 lo = round_bf16(e[2 * j]), hi = round_bf16(e[2 * j + 1]);
+      const u32x16 word = (reinterpret_cast<const u32x16&>(hi) & 0xffff0000u) | (reinterpret_cast<const u32x16&>(lo) >> 16);
+      w[j] = (__m512bh)word;
+    }
+    m = mx;
+    for (int i0 = 0; i0 < D; i0 += 8) {
+      __m512 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = (__m512)(load16(acc[i0 + i]) * corr);
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 8; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], w[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[j][i0 + i])));
+      for (int i = 0; i < 8; ++i) _mm512_store_ps(acc[i0 + i], a[i]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t lane = r * group + g;
+      float* st = state + (r * heads + kv_head * group + g) * (D + 2);
+      st[0] = m[lane];
+      st[1] = l[lane];
+      for (int c = 0; c < P; ++c)  // unpack order: element 32c + 16s + i is dim 32c + 8 (i / 4) + 4s + i % 4
+        for (int sh = 0; sh < 2; ++sh)
+          for (int i = 0; i < 16; ++i) st[2 + 32 * c + 8 * (i / 4) + 4 * sh + i % 4] = acc[32 * c + 16 * sh + i][lane];
+    }
+}
+#endif
+
+// A pack of consecutive rows that start with the same ``keys`` keys (whole blocks)
+struct Pack {
+  int64_t row, rows, keys;
+};
+constexpr int64_t kMinSharedKeys = 32;
+
+// Consecutive rows whose tables agree on their first whole blocks, at most ``per`` rows a pack:
+// a pack grows while the next row shares at least kMinSharedKeys keys with its first row and at
+// least half of what the pack shares so far.
+std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t* ctx, int64_t rows,
+                             int64_t block_size, int64_t per) {
+  std::vector<Pack> packs;
+  for (int64_t r = 0; r < rows;) {
+    int64_t common = ctx[r] / block_size, e = r + 1;
+    for (; e < rows && e - r < per; ++e) {
+      const int64_t* a = tables + r * width;
+      const int64_t* b = tables + e * width;
+      const int64_t limit = std::min(common, ctx[e] / block_size);
+      int64_t c = 0;
+      while (c < limit && a[c] == b[c]) ++c;
+      if (c * block_size < kMinSharedKeys || (e - r >= 2 && 2 * c < common)) break;
+      common = c;
+    }
+    if (e - r >= 2) packs.push_back({r, e - r, common * block_size});
+    r = e;
+  }
+  return packs;
+}
+
+template <typename T, bool Dot>
+bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, const int64_t* table, int64_t keys,
+                int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kvh, float scale,
+                const float* sinks, float* state) {
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (Dot && sizeof(T) == 2) {
     switch (dim) {
       case 64:
-        attend_bf16_dot<G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+        attend_shared_bf16_dot<4>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks,
+                                  state);
         return true;
       case 128:
-        attend_bf16_dot<G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+        attend_shared_bf16_dot<8>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks,
+                                  state);
         return true;
       default:
         return false;
@@ -346,10 +575,41 @@ bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t
 #endif
   switch (dim) {
     case 64:
-      attend_vec<T, G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+      attend_shared<T, 4>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks, state);
       return true;
     case 128:
-      attend_vec<T, G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+      attend_shared<T, 8>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks, state);
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Dot: bfloat16 products on the bf16 dot instruction where it was compiled in
+template <typename T, int G, bool Dot>
+bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
+                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
+                  const float* sinks, int64_t from, const float* init, T* out) {
+#ifdef BATCHGEN_BF16_DOT
+  if constexpr (Dot && sizeof(T) == 2) {
+    switch (dim) {
+      case 64:
+        attend_bf16_dot<G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
+        return true;
+      case 128:
+        attend_bf16_dot<G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
+        return true;
+      default:
+        return false;
+    }
+  }
+#endif
+  switch (dim) {
+    case 64:
+      attend_vec<T, G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
+      return true;
+    case 128:
+      attend_vec<T, G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
       return true;
     default:
       return false;
@@ -359,11 +619,12 @@ bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t
 template <typename T, bool Dot>
 bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
-                 const float* sinks, T* out) {
+                 const float* sinks, int64_t from, const float* init, T* out) {
   if (block_size % 16) return false;
-#define BATCHGEN_GROUP(g) \
-  case g:                 \
-    return dispatch_dim<T, g, Dot>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, out);
+#define BATCHGEN_GROUP(g)                                                                                         \
+  case g:                                                                                                         \
+    return dispatch_dim<T, g, Dot>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, \
+                                   sinks, from, init, out);
   switch (group) {
     BATCHGEN_GROUP(1)
     BATCHGEN_GROUP(2)
@@ -379,13 +640,38 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 #undef BATCHGEN_GROUP
 }
 
+// share: 1 to run rows that share their first blocks together (attend_shared), 0 for one row at a time
 template <typename T, bool Dot = true>
 int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
            const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
            int64_t block_size, float scale, int64_t window, float softcap, const float* sinks, T* out,
-           int threads) {
+           int threads, int share) {
   const int64_t group = heads / kv_heads;
   if (group > kMaxGroup || dim > kMaxDim || block_size > kMaxBlock || heads % kv_heads) return 1;
+  // packs only where the per-row pass is the vector one, with no window or soft-capping
+  const bool fast = block_size % 16 == 0 && group <= 8 && (dim == 64 || dim == 128);
+  std::vector<Pack> packs;
+  if (share && fast && window <= 0 && softcap <= 0)
+    packs = find_packs(tables, table_width, ctx, rows, block_size, kLanes / group);
+  thread_local std::vector<float> state;
+  thread_local std::vector<int64_t> done;  // keys of each row the pack pass took
+  if (!packs.empty()) {
+    state.resize(static_cast<size_t>(rows * heads * (dim + 2)));
+    done.assign(static_cast<size_t>(rows), 0);
+    for (const Pack& p : packs)
+      for (int64_t r = p.row; r < p.row + p.rows; ++r) done[r] = p.keys;
+    const int64_t items = static_cast<int64_t>(packs.size()) * kv_heads;
+    float* st = state.data();
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int64_t it = 0; it < items; ++it) {
+      const Pack& p = packs[it / kv_heads];
+      const int64_t kvh = it % kv_heads;
+      shared_dim<T, Dot>(dim, q + p.row * heads * dim, heads, k_cache, v_cache, tables + p.row * table_width, p.keys,
+                    p.rows, group, num_blocks, block_size, kvh, scale, sinks, st + p.row * heads * (dim + 2));
+    }
+  }
+  const float* st = packs.empty() ? nullptr : state.data();
+  const int64_t* from = packs.empty() ? nullptr : done.data();
   const int64_t items = rows * kv_heads;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t it = 0; it < items; ++it) {
@@ -393,10 +679,12 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
     const int64_t off = (row * heads + kvh * group) * dim;
     const float* sk = sinks ? sinks + kvh * group : nullptr;
     const int64_t* table = tables + row * table_width;
-    if (!attend_fast<T, Dot>(group, dim, q + off, k_cache, v_cache, table, ctx[row], num_blocks, block_size, kvh, scale,
-                        window, softcap, sk, out + off))
+    const int64_t first = from ? from[row] : 0;
+    const float* init = first ? st + (row * heads + kvh * group) * (dim + 2) : nullptr;
+    if (!attend_fast<T, Dot>(group, dim, q + off, k_cache, v_cache, table, ctx[row], num_blocks, block_size, kvh,
+                             scale, window, softcap, sk, first, init, out + off))
       attend<T>(q + off, k_cache, v_cache, table, ctx[row], group, dim, num_blocks, block_size, kvh, scale,
-                   window, softcap, sk, out + off);
+                window, softcap, sk, out + off);
   }
   return 0;
 }
@@ -411,17 +699,17 @@ extern "C" {
 int paged_decode_f32(const float* q, const float* k, const float* v, const int64_t* tables, int64_t width,
                      const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                      int64_t num_blocks, int64_t block_size, float scale, int64_t window, float softcap,
-                     const float* sinks, float* out, int threads) {
+                     const float* sinks, float* out, int threads, int share) {
   return decode<float>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
-                       window, softcap, sinks, out, threads);
+                       window, softcap, sinks, out, threads, share);
 }
 
 int paged_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* tables, int64_t width,
                       const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t num_blocks, int64_t block_size, float scale, int64_t window, float softcap,
-                      const float* sinks, uint16_t* out, int threads) {
+                      const float* sinks, uint16_t* out, int threads, int share) {
   return decode<uint16_t>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
-                          window, softcap, sinks, out, threads);
+                          window, softcap, sinks, out, threads, share);
 }
 
 // paged_decode_bf16 with bf16 values widened to float32 and multiplied there: the path of CPUs
@@ -429,9 +717,9 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
 int paged_decode_bf16_widened(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* tables,
                               int64_t width, const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads,
                               int64_t dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
-                              float softcap, const float* sinks, uint16_t* out, int threads) {
+                              float softcap, const float* sinks, uint16_t* out, int threads, int share) {
   return decode<uint16_t, false>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size,
-                                 scale, window, softcap, sinks, out, threads);
+                                 scale, window, softcap, sinks, out, threads, share);
 }
 
 // 1 where paged_decode_bf16 runs on the bf16 dot instruction, else 0

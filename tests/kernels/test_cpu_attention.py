@@ -2,7 +2,8 @@
 both of its code paths (the 16-key vector path for head_dim 64 / 128 with at most 8 query heads
 per kv head and block sizes that are multiples of 16, and the general loop for the rest), float32
 and bfloat16 caches, contexts ending on and off block boundaries, sliding windows, soft-capping and
-sinks; and an engine on it against the torch backend on the same model."""
+sinks; rows whose tables share first blocks, run together; and an engine on it against the torch
+backend on the same model."""
 
 from __future__ import annotations
 
@@ -88,6 +89,66 @@ def test_window_softcap_and_sinks(d, softcap, use_sinks, window, dtype, tol, bf1
     q, kc, vc, tables, ctx = decode_batch(gen, [3, 16, 30, 57, 80], kvh, h, d, bs, dtype)
     sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
     check(3 * q, kc, vc, tables, ctx, 0.5, tol, bf16_dot, window=window, softcap=softcap, sinks=sinks)
+
+
+def shared_batch(gen, kvh, h, d, bs, dtype):
+    """Rows whose tables share first blocks, as n samples, beams and cached prefixes do: a pack of
+    five rows on 7 common blocks, then a row sharing 4 of them (the pack takes it only where it
+    shares half of what the pack shares), a row on its own, two rows sharing one block (under the
+    kernel's 32-key minimum at block size 16), and two rows that are the same sequence, contexts
+    ending on and off block boundaries."""
+    plan = [  # (common blocks with the previous rows' prefix or None, own context past them)
+        (None, 7 * bs + 5),
+        (7, 3),
+        (7, 1),
+        (7, bs),
+        (7, 2 * bs + 9),
+        (4, 40),
+        (None, 3 * bs + 2),
+        (None, bs + 4),
+        (1, 5),
+        (None, 4 * bs),
+        ("same", 0),
+    ]
+    tables, ctx = [], []
+    next_block = 0
+    for common, extra in plan:
+        if common == "same":
+            tables.append(list(tables[-1]))
+            ctx.append(ctx[-1])
+            continue
+        shared = [] if common is None else tables[-1][:common]
+        keys = len(shared) * bs + extra
+        own = -(-keys // bs) - len(shared)
+        tables.append(shared + list(range(next_block, next_block + own)))
+        next_block += own
+        ctx.append(keys)
+    width = max(len(t) for t in tables)
+    perm = torch.randperm(next_block + 2, generator=gen)
+    table = torch.zeros((len(tables), width), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = perm[torch.tensor(t)]
+    q = torch.randn((len(tables), h, d), generator=gen).to(dtype)
+    kc = torch.randn((kvh, next_block + 2, bs, d), generator=gen).to(dtype)
+    vc = torch.randn((kvh, next_block + 2, bs, d), generator=gen).to(dtype)
+    return q, kc, vc, table, torch.tensor(ctx)
+
+
+@pytest.mark.parametrize("kvh, h, d, bs", [(2, 8, 64, 16), (1, 8, 128, 32), (3, 9, 64, 16), (2, 2, 64, 16)])
+@pytest.mark.parametrize("use_sinks", [False, True])
+@pytest.mark.parametrize("dtype, tol, bf16_dot", DTYPES, ids=DTYPE_IDS)
+def test_rows_sharing_blocks_attend_them_together(kvh, h, d, bs, use_sinks, dtype, tol, bf16_dot):
+    """The pass over blocks that consecutive rows share (``share``, the default), against the
+    reference and against the kernel run row by row."""
+    gen = torch.Generator().manual_seed(h * 10 + d + bs + int(use_sinks))
+    q, kc, vc, tables, ctx = shared_batch(gen, kvh, h, d, bs, dtype)
+    sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
+    check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot, sinks=sinks)
+    together = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot)
+    alone = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot, share=False)
+    torch.testing.assert_close(
+        together.float(), alone.float(), rtol=tol, atol=1e-2 if dtype == torch.bfloat16 else tol
+    )
 
 
 def test_refuses_what_it_cannot_run():
