@@ -57,6 +57,10 @@ SIGNATURES = {
     "silu_mul_bf16": (None, [_P, _I, _I, _P, _INT]),
     # k, k token stride, v, v token stride, k_cache, v_cache, slots, tokens, kv_heads, bytes, slots per head
     "kv_write": (_INT, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
+    # cache, planes, blocks per plane, bytes per block, src, dst, pairs, threads
+    "copy_blocks": (_INT, [_P, _I, _I, _I, _P, _P, _I, _INT]),
+    # cache, planes, blocks per plane, bytes per block, ids, count, threads
+    "zero_blocks": (_INT, [_P, _I, _I, _I, _P, _I, _INT]),
     # x, x token stride, cos, sin, tokens, heads, dim, out, threads
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),
     "rotary_bf16": (None, [_P, _I, _P, _P, _I, _I, _I, _P, _INT]),

@@ -13,6 +13,7 @@
 // against (tests/kernels/test_cpu_attention.py).
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -363,6 +364,27 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
 // start the per-row pass (attend_vec, attend_bf16_dot) goes on from over the row's other keys.
 constexpr int kLanes = 16;
 
+// Calls f(lane, head, r) for each lane of a pack: row r of the pack, query head ``head``
+// (lane r * group + g holds head kv_head * group + g of row r).
+template <typename F>
+inline void for_lanes(int64_t rows, int64_t group, int64_t kv_head, F f) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) f(r * group + g, kv_head * group + g, r);
+}
+
+// The lanes' online-softmax state into ``state`` (per row and head of the pack, stride dim + 2):
+// running maximum, running sum, then element i of the accumulators at acc[at(i)].
+template <typename At>
+inline void write_state(v16 m, v16 l, const float (*acc)[kLanes], int64_t dim, int64_t rows, int64_t group,
+                        int64_t heads, int64_t kv_head, float* state, At at) {
+  for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
+    float* st = state + (r * heads + head) * (dim + 2);
+    st[0] = m[lane];
+    st[1] = l[lane];
+    for (int64_t i = 0; i < dim; ++i) st[2 + i] = acc[at(i)][lane];
+  });
+}
+
 template <typename T, int N>  // N: head_dim / 16
 void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache, const int64_t* table, int64_t keys,
                    int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale,
@@ -374,16 +396,14 @@ void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache
   v16 m = v16{} - INFINITY, l = v16{};
   for (int i = 0; i < D; ++i)
     for (int lane = 0; lane < kLanes; ++lane) qt[i][lane] = acc[i][lane] = 0.0f;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t lane = r * group + g, head = kv_head * group + g;
-      const T* qh = q + (r * heads + head) * D;
-      for (int i = 0; i < D; ++i) qt[i][lane] = load(qh + i) * scale;
-      if (sinks) {  // a sink: one more logit whose value vector is zero
-        m[lane] = sinks[head];
-        l[lane] = 1.0f;
-      }
+  for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
+    const T* qh = q + (r * heads + head) * D;
+    for (int i = 0; i < D; ++i) qt[i][lane] = load(qh + i) * scale;
+    if (sinks) {  // a sink: one more logit whose value vector is zero
+      m[lane] = sinks[head];
+      l[lane] = 1.0f;
     }
+  });
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   for (int64_t pos = 0; pos < keys; pos += 16) {
     const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
@@ -421,14 +441,7 @@ void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache
       for (int i = 0; i < 8; ++i) store16(acc[i0 + i], a[i]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t lane = r * group + g;
-      float* st = state + (r * heads + kv_head * group + g) * (D + 2);
-      st[0] = m[lane];
-      st[1] = l[lane];
-      for (int i = 0; i < D; ++i) st[2 + i] = acc[i][lane];
-    }
+  write_state(m, l, acc, D, rows, group, heads, kv_head, state, [](int64_t i) { return i; });
 }
 
 #ifdef BATCHGEN_BF16_DOT
@@ -450,16 +463,14 @@ void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_
     for (int lane = 0; lane < kLanes; ++lane) acc[i][lane] = 0.0f;
   for (int j = 0; j < D / 2; ++j)
     for (int lane = 0; lane < kLanes; ++lane) qp[j][lane] = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t lane = r * group + g, head = kv_head * group + g;
-      const uint16_t* qh = q + (r * heads + head) * D;
-      for (int j = 0; j < D / 2; ++j) std::memcpy(&qp[j][lane], qh + 2 * j, 4);
-      if (sinks) {
-        m[lane] = sinks[head];
-        l[lane] = 1.0f;
-      }
+  for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
+    const uint16_t* qh = q + (r * heads + head) * D;
+    for (int j = 0; j < D / 2; ++j) std::memcpy(&qp[j][lane], qh + 2 * j, 4);
+    if (sinks) {
+      m[lane] = sinks[head];
+      l[lane] = 1.0f;
     }
+  });
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   for (int64_t pos = 0; pos < keys; pos += 16) {
     const int64_t base = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
@@ -511,16 +522,11 @@ void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_
       for (int i = 0; i < 8; ++i) _mm512_store_ps(acc[i0 + i], a[i]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t lane = r * group + g;
-      float* st = state + (r * heads + kv_head * group + g) * (D + 2);
-      st[0] = m[lane];
-      st[1] = l[lane];
-      for (int c = 0; c < P; ++c)  // unpack order: element 32c + 16s + i is dim 32c + 8 (i / 4) + 4s + i % 4
-        for (int sh = 0; sh < 2; ++sh)
-          for (int i = 0; i < 16; ++i) st[2 + 32 * c + 8 * (i / 4) + 4 * sh + i % 4] = acc[32 * c + 16 * sh + i][lane];
-    }
+  // dim 32c + 8 (i / 4) + 4s + i % 4 (i < 16) is at 32c + 16s + i in the unpack order
+  write_state(m, l, acc, D, rows, group, heads, kv_head, state, [](int64_t d) {
+    const int64_t c = d / 32, x = d % 32;
+    return 32 * c + 16 * ((x / 4) % 2) + 4 * (x / 8) + x % 4;
+  });
 }
 #endif
 
@@ -553,32 +559,16 @@ std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t
   return packs;
 }
 
-template <typename T, bool Dot>
-bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, const int64_t* table, int64_t keys,
-                int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kvh, float scale,
-                const float* sinks, float* state) {
-#ifdef BATCHGEN_BF16_DOT
-  if constexpr (Dot && sizeof(T) == 2) {
-    switch (dim) {
-      case 64:
-        attend_shared_bf16_dot<4>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks,
-                                  state);
-        return true;
-      case 128:
-        attend_shared_bf16_dot<8>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks,
-                                  state);
-        return true;
-      default:
-        return false;
-    }
-  }
-#endif
+// Calls f(std::integral_constant<int, N>{}), N = dim / 16, for the head sizes the vector paths
+// take (64 and 128); false for the others.
+template <typename F>
+inline bool by_dim(int64_t dim, F f) {
   switch (dim) {
     case 64:
-      attend_shared<T, 4>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks, state);
+      f(std::integral_constant<int, 4>{});
       return true;
     case 128:
-      attend_shared<T, 8>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale, sinks, state);
+      f(std::integral_constant<int, 8>{});
       return true;
     default:
       return false;
@@ -586,34 +576,38 @@ bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, 
 }
 
 // Dot: bfloat16 products on the bf16 dot instruction where it was compiled in
+template <typename T, bool Dot>
+bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, const int64_t* table, int64_t keys,
+                int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kvh, float scale,
+                const float* sinks, float* state) {
+#ifdef BATCHGEN_BF16_DOT
+  if constexpr (Dot && sizeof(T) == 2)
+    return by_dim(dim, [&](auto n) {
+      attend_shared_bf16_dot<decltype(n)::value>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size,
+                                                 kvh, scale, sinks, state);
+    });
+#endif
+  return by_dim(dim, [&](auto n) {
+    attend_shared<T, decltype(n)::value>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh, scale,
+                                         sinks, state);
+  });
+}
+
 template <typename T, int G, bool Dot>
 bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                   int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
                   const float* sinks, int64_t from, const float* init, T* out) {
 #ifdef BATCHGEN_BF16_DOT
-  if constexpr (Dot && sizeof(T) == 2) {
-    switch (dim) {
-      case 64:
-        attend_bf16_dot<G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
-        return true;
-      case 128:
-        attend_bf16_dot<G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
-        return true;
-      default:
-        return false;
-    }
-  }
+  if constexpr (Dot && sizeof(T) == 2)
+    return by_dim(dim, [&](auto n) {
+      attend_bf16_dot<G, decltype(n)::value>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap,
+                                             sinks, from, init, out);
+    });
 #endif
-  switch (dim) {
-    case 64:
-      attend_vec<T, G, 4>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
-      return true;
-    case 128:
-      attend_vec<T, G, 8>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, sinks, from, init, out);
-      return true;
-    default:
-      return false;
-  }
+  return by_dim(dim, [&](auto n) {
+    attend_vec<T, G, decltype(n)::value>(q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap,
+                                         sinks, from, init, out);
+  });
 }
 
 template <typename T, bool Dot>

@@ -107,6 +107,32 @@ int kv_write(const char* k, int64_t k_stride, const char* v, int64_t v_stride, c
   return 0;
 }
 
+// The paged cache as ``planes`` planes (layer, K or V, kv head) of ``blocks`` blocks of ``bytes``
+// bytes each. copy_blocks: block src[i] into dst[i] in every plane (no dst repeats or is also a
+// src: the copies are independent). zero_blocks: blocks ids[i] set to zero bytes in every plane.
+// Return 1, having touched nothing, where a block is outside [0, blocks).
+int copy_blocks(char* cache, int64_t planes, int64_t blocks, int64_t bytes, const int64_t* src, const int64_t* dst,
+                int64_t n, int threads) {
+  for (int64_t i = 0; i < n; ++i)
+    if (src[i] < 0 || src[i] >= blocks || dst[i] < 0 || dst[i] >= blocks) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t it = 0; it < planes * n; ++it) {
+    char* plane = cache + (it / n) * blocks * bytes;
+    std::memcpy(plane + dst[it % n] * bytes, plane + src[it % n] * bytes, bytes);
+  }
+  return 0;
+}
+
+int zero_blocks(char* cache, int64_t planes, int64_t blocks, int64_t bytes, const int64_t* ids, int64_t n,
+                int threads) {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= blocks) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t it = 0; it < planes * n; ++it)
+    std::memset(cache + ((it / n) * blocks + ids[it % n]) * bytes, 0, bytes);
+  return 0;
+}
+
 void rms_norm_f32(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out, int threads) {
   rms_norm<float>(x, w, rows, dim, eps, out, threads);
 }

@@ -1,6 +1,7 @@
 """The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm,
 SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
-temporaries, with torch's rounding points kept in bfloat16; and the KV-cache store (``kv_write``).
+temporaries, with torch's rounding points kept in bfloat16; the KV-cache store (``kv_write``) and
+the copy-on-write block copies and zeroing of new blocks (``copy_blocks``, ``zero_blocks``).
 ``batchgen.model.layers`` and ``batchgen.model.attention`` use them on the CPU where the library
 builds (``available``); their torch code is the reference and the fallback."""
 
@@ -108,3 +109,49 @@ def kv_write(
     if rc:
         bad = slots[(slots < 0) | (slots >= per_head)]
         raise IndexError(f"kv_write: a slot outside [0, {per_head}): {int(bad[0])} (nothing written)")
+
+
+def _planes(cache: torch.Tensor) -> tuple[int, int, int]:
+    """A cache [..., blocks, block_size, head_dim] as (planes, blocks, bytes per block)."""
+    assert cache.is_contiguous()
+    blocks = cache.shape[-3]
+    per_block = cache.shape[-2] * cache.shape[-1] * cache.element_size()
+    return cache.numel() * cache.element_size() // (blocks * per_block), blocks, per_block
+
+
+def copy_blocks(cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
+    """``cache[..., dst[i], :, :] = cache[..., src[i], :, :]`` for every leading index (layer, K / V,
+    kv head), one memcpy per block and plane: the runner's copy-on-write copies, which torch's
+    advanced-index assignment runs as a gather into a temporary and a scatter (2x the time).
+    The copies must be independent: no block is written twice or both written and read."""
+    if not src:
+        return
+    if len(set(dst)) != len(dst) or set(dst) & set(src):
+        raise ValueError("copy_blocks: a destination block repeats or is also a source")
+    planes, blocks, per_block = _planes(cache)
+    s, d = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    rc = load().copy_blocks(
+        cache.data_ptr(),
+        planes,
+        blocks,
+        per_block,
+        s.data_ptr(),
+        d.data_ptr(),
+        len(src),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise IndexError(f"copy_blocks: a block outside [0, {blocks}) (nothing copied)")
+
+
+def zero_blocks(cache: torch.Tensor, ids: list[int]) -> None:
+    """``cache[..., ids, :, :] = 0`` for every leading index, one memset per block and plane."""
+    if not ids:
+        return
+    planes, blocks, per_block = _planes(cache)
+    i = torch.tensor(ids, dtype=torch.int64)
+    rc = load().zero_blocks(
+        cache.data_ptr(), planes, blocks, per_block, i.data_ptr(), len(ids), torch.get_num_threads()
+    )
+    if rc:
+        raise IndexError(f"zero_blocks: a block outside [0, {blocks}) (nothing zeroed)")

@@ -27,6 +27,7 @@ from batchgen.model.attention import (
 )
 from batchgen.model.decoder import DecoderModel
 from batchgen.model.graphs import DecodeGraphs, HostStaging
+from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.malloc import keep_freed_memory
 from batchgen.step import Chunk, CopyPair, StepBatch, StepResult
 from batchgen.utils import cdiv
@@ -177,11 +178,22 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """New blocks start as zeros: masked slots of a partly filled block must hold finite values."""
-        if block_ids:
-            self.kv_cache[:, :, :, torch.tensor(block_ids, device=self.device)] = 0
+        if not block_ids:
+            return
+        if (ops := fused_cpu_ops(self.kv_cache)) is not None:
+            ops.zero_blocks(self.kv_cache, block_ids)
+            return
+        self.kv_cache[:, :, :, torch.tensor(block_ids, device=self.device)] = 0
 
     def copy_blocks(self, copies: list[CopyPair]) -> None:
         if not copies:
+            return
+        src_ids, dst_ids = [c.src for c in copies], [c.dst for c in copies]
+        # one memcpy per block and plane where the copies are independent (each destination a
+        # block just allocated, as copy-on-write makes them); else torch's gather, then scatter
+        independent = len(set(dst_ids)) == len(dst_ids) and not set(dst_ids) & set(src_ids)
+        if independent and (ops := fused_cpu_ops(self.kv_cache)) is not None:
+            ops.copy_blocks(self.kv_cache, src_ids, dst_ids)
             return
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)

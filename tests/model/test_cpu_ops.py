@@ -1,5 +1,5 @@
 """The compiled elementwise kernels (``kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings,
-the KV-cache store)
+the KV-cache store, block copies and zeroing)
 against the torch code they replace (``batchgen.model.layers``, ``batchgen.model.moe``), in
 float32 and bfloat16, on contiguous and strided inputs; and an engine with them switched off
 against one with them on.
@@ -109,6 +109,31 @@ def test_kv_write_from_views_of_the_fused_qkv(dtype, block_size):
     with pytest.raises(IndexError, match="slot outside"):
         cpu_ops.kv_write(k[:2], v[:2], k_cache, v_cache, torch.tensor([0, blocks * block_size]))
     assert torch.equal(k_cache, before)  # nothing written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_copies_and_zeroing(dtype):
+    """The runner's copy-on-write copies and zeroing of new blocks against torch's indexing on the
+    paged cache's shape ([layers, K / V, kv heads, blocks, block_size, dim]); the other blocks keep
+    what they held; blocks out of range raise with nothing touched; copies that are not
+    independent are refused."""
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(3, 2, 2, 11, 4, 8, generator=gen).to(dtype)
+    want = cache.clone()
+    src, dst = [1, 4, 4, 0], [7, 2, 9, 10]
+    want[:, :, :, dst] = want[:, :, :, src]
+    cpu_ops.copy_blocks(cache, src, dst)
+    assert torch.equal(cache, want)
+    want[:, :, :, [3, 7]] = 0
+    cpu_ops.zero_blocks(cache, [3, 7])
+    assert torch.equal(cache, want)
+    with pytest.raises(IndexError, match="outside"):
+        cpu_ops.copy_blocks(cache, [1, 11], [5, 6])
+    with pytest.raises(IndexError, match="outside"):
+        cpu_ops.zero_blocks(cache, [2, -1])
+    with pytest.raises(ValueError, match="repeats or is also a source"):
+        cpu_ops.copy_blocks(cache, [1, 2], [2, 5])
+    assert torch.equal(cache, want)
 
 
 def test_takes_only_what_it_runs():
