@@ -610,11 +610,17 @@ bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t
   });
 }
 
+// Whether attend_fast takes a shape: head_dim 64 or 128, at most 8 query heads per kv head, blocks
+// of a multiple of 16 keys (the rows of a pack go on on it from their shared state).
+inline bool vector_path(int64_t group, int64_t dim, int64_t block_size) {
+  return block_size % 16 == 0 && group <= 8 && (dim == 64 || dim == 128);
+}
+
 template <typename T, bool Dot>
 bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
                  const float* sinks, int64_t from, const float* init, T* out) {
-  if (block_size % 16) return false;
+  if (!vector_path(group, dim, block_size)) return false;
 #define BATCHGEN_GROUP(g)                                                                                         \
   case g:                                                                                                         \
     return dispatch_dim<T, g, Dot>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, \
@@ -643,9 +649,8 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
   const int64_t group = heads / kv_heads;
   if (group > kMaxGroup || dim > kMaxDim || block_size > kMaxBlock || heads % kv_heads) return 1;
   // packs only where the per-row pass is the vector one, with no window or soft-capping
-  const bool fast = block_size % 16 == 0 && group <= 8 && (dim == 64 || dim == 128);
   std::vector<Pack> packs;
-  if (share && fast && window <= 0 && softcap <= 0)
+  if (share && vector_path(group, dim, block_size) && window <= 0 && softcap <= 0)
     packs = find_packs(tables, table_width, ctx, rows, block_size, kLanes / group);
   thread_local std::vector<float> state;
   thread_local std::vector<int64_t> done;  // keys of each row the pack pass took

@@ -119,6 +119,12 @@ def _planes(cache: torch.Tensor) -> tuple[int, int, int]:
     return cache.numel() * cache.element_size() // (blocks * per_block), blocks, per_block
 
 
+def independent(src: list[int], dst: list[int]) -> bool:
+    """Whether block copies ``src[i] -> dst[i]`` can run in any order: no destination repeats or
+    is also a source (copy-on-write's are: each destination is a block just allocated)."""
+    return len(set(dst)) == len(dst) and not set(dst) & set(src)
+
+
 def copy_blocks(cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
     """``cache[..., dst[i], :, :] = cache[..., src[i], :, :]`` for every leading index (layer, K / V,
     kv head), one memcpy per block and plane: the runner's copy-on-write copies, which torch's
@@ -126,7 +132,7 @@ def copy_blocks(cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
     The copies must be independent: no block is written twice or both written and read."""
     if not src:
         return
-    if len(set(dst)) != len(dst) or set(dst) & set(src):
+    if not independent(src, dst):
         raise ValueError("copy_blocks: a destination block repeats or is also a source")
     planes, blocks, per_block = _planes(cache)
     s, d = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)

@@ -189,14 +189,14 @@ class ModelRunner:
         if not copies:
             return
         src_ids, dst_ids = [c.src for c in copies], [c.dst for c in copies]
-        # one memcpy per block and plane where the copies are independent (each destination a
-        # block just allocated, as copy-on-write makes them); else torch's gather, then scatter
-        independent = len(set(dst_ids)) == len(dst_ids) and not set(dst_ids) & set(src_ids)
-        if independent and (ops := fused_cpu_ops(self.kv_cache)) is not None:
+        # one memcpy per block and plane where the copies can run in any order; else torch's
+        # gather, then scatter
+        ops = fused_cpu_ops(self.kv_cache)
+        if ops is not None and ops.independent(src_ids, dst_ids):
             ops.copy_blocks(self.kv_cache, src_ids, dst_ids)
             return
-        src = torch.tensor([c.src for c in copies], device=self.device)
-        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        src = torch.tensor(src_ids, device=self.device)
+        dst = torch.tensor(dst_ids, device=self.device)
         if self.per_token_layout:
             from kernels.block_ops import copy_blocks
 
