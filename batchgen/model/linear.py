@@ -6,7 +6,10 @@ columns on AVX2), which runs the row counts of inference (1-256 rows per call) a
 in bf16 and 185-225 in float32 on 2 cores, where oneDNN's packed GEMM reaches 100-330 and 80-180
 below 64 rows. Where that kernel is not available (no compiler, a CPU without AVX-512 or AVX2
 with FMA) weights are reordered into oneDNN's blocked layout and multiplied with
-``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. ``F.linear`` goes through
+``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. bfloat16 weights on a CPU with
+AMX (Intel Sapphire Rapids and later) go to oneDNN first: its AMX tile GEMM ran the bench models'
+shapes at 1,000-2,150 GFLOP/s at 128 rows on 2 cores, where the kernel's AVX-512 BF16 dot products
+reach about 200 there (``scripts/gemm_rates.py``). ``F.linear`` goes through
 MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a code path that ran the bench
 model's shapes at about a third of oneDNN's rate (``scripts/bench.py`` measures all three). Each
 packed layer is checked against ``F.linear`` when it is built; if the check fails, the layer
@@ -36,10 +39,16 @@ _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
 BACKENDS = ("auto", "cpu", "onednn", "torch")
 
 
+def has_amx() -> bool:
+    """Whether this CPU runs AMX tile instructions (as torch's oneDNN would use them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
 def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The backends a layer tries in order, for the ``linear_backend`` setting: "auto" is the
-    compiled kernel, else oneDNN, else ``F.linear``; "cpu" and "onednn" are that one alone (an
-    error where it cannot run); "torch" is ``F.linear``."""
+    compiled kernel, else oneDNN, else ``F.linear`` (oneDNN first for bfloat16 on a CPU with AMX);
+    "cpu" and "onednn" are that one alone (an error where it cannot run); "torch" is ``F.linear``."""
     if setting == "torch":
         return ["torch"]
     cpu = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -61,7 +70,9 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
         return ["cpu"]
     if setting == "onednn":
         return ["onednn"]
-    return [b for b, ok in (("cpu", cpu), ("onednn", onednn)) if ok] + ["torch"]
+    order = ("onednn", "cpu") if dtype == torch.bfloat16 and has_amx() else ("cpu", "onednn")
+    ok = {"cpu": cpu, "onednn": onednn}
+    return [b for b in order if ok[b]] + ["torch"]
 
 
 class Linear:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
+from batchgen.model import linear
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.malloc import keep_freed_memory
 from kernels import cpu, cpu_gemm
@@ -258,13 +259,16 @@ def test_kernel_declines_an_odd_bfloat16_width():
         Linear(w, backends=["cpu"], strict=True)
 
 
-def test_linear_backend_setting():
+def test_linear_backend_setting(monkeypatch):
     dev = torch.device("cpu")
     assert backends_for("torch", dev, torch.float32) == ["torch"]
     assert backends_for("auto", dev, torch.float16) == ["torch"]  # no fp16 GEMMs but F.linear's
     assert backends_for("auto", torch.device("cuda"), torch.bfloat16) == ["torch"]
     if cpu.available() and torch.backends.mkldnn.is_available():
-        assert backends_for("auto", dev, torch.bfloat16) == ["cpu", "onednn", "torch"]
+        for amx, bf16_order in ((False, ["cpu", "onednn", "torch"]), (True, ["onednn", "cpu", "torch"])):
+            monkeypatch.setattr(linear, "has_amx", lambda amx=amx: amx)
+            assert backends_for("auto", dev, torch.bfloat16) == bf16_order
+            assert backends_for("auto", dev, torch.float32) == ["cpu", "onednn", "torch"]
     with pytest.raises(ValueError, match="linear_backend='onednn' needs a CPU device"):
         backends_for("onednn", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="linear_backend='cpu' needs a CPU device"):
