@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from batchgen import utils
+
 if TYPE_CHECKING:
     from kernels.cpu_gemm import PackedWeight
 
@@ -37,12 +39,6 @@ _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
 
 
 BACKENDS = ("auto", "cpu", "onednn", "torch")
-
-
-def has_amx() -> bool:
-    """Whether this CPU runs AMX tile instructions (as torch's oneDNN would use them)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
 
 
 def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -70,7 +66,7 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
         return ["cpu"]
     if setting == "onednn":
         return ["onednn"]
-    order = ("onednn", "cpu") if dtype == torch.bfloat16 and has_amx() else ("cpu", "onednn")
+    order = ("onednn", "cpu") if dtype == torch.bfloat16 and utils.has_amx() else ("cpu", "onednn")
     ok = {"cpu": cpu, "onednn": onednn}
     return [b for b in order if ok[b]] + ["torch"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, SamplingParams, utils
 from batchgen.model import attention
 from batchgen.tiny import make_model
 
@@ -47,9 +47,14 @@ def test_blocked_prefill_equals_whole_chunks(tmp_path, monkeypatch, arch):
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, ctx", [(1, 2), (1, 300), (7, 40), (64, 64 + 16), (300, 1000)])
-def test_chunk_after_context_equals_one_masked_call(dtype, n, ctx):
+def test_chunk_after_context_equals_one_masked_call(monkeypatch, dtype, n, ctx, amx):
+    """Without AMX (or in float32) both calls run in float32 and the merge is rounded once; with
+    AMX bfloat16 runs in bfloat16 (the kernel's products on AMX tiles), as transformers' one masked
+    bfloat16 call does, and its error is held to that call's."""
+    monkeypatch.setattr(utils, "has_amx", lambda: amx)
     gen = torch.Generator().manual_seed(n * ctx)
     q = torch.randn(n, 8, 32, generator=gen).to(dtype)
     keys, values = (torch.randn(2, ctx, 32, generator=gen).to(dtype) for _ in range(2))
@@ -66,6 +71,13 @@ def test_chunk_after_context_equals_one_masked_call(dtype, n, ctx):
     assert got.dtype == dtype and got.shape == q.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+    elif amx:  # each call's weights and output in bf16: no worse than one masked bf16 call
+        one_call = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, scale=0.3, enable_gqa=True
+        )[0].transpose(0, 1)
+        ours, theirs = (got.double() - exact).abs(), (one_call.double() - exact).abs()
+        assert ours.mean() <= 1.5 * theirs.mean() + 1e-6
+        assert ours.max() <= 2**-7 * exact.abs().max()
     else:  # rounded once, after the merge: within half a bf16 step of the exact value
         step = 2.0 ** (torch.frexp(exact).exponent.double() - 8)
         assert bool(((got.double() - exact).abs() <= step / 2 + 1e-6).all())

@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, SamplingParams, utils
 from batchgen.config import EngineConfig
-from batchgen.model import linear
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.malloc import keep_freed_memory
 from kernels import cpu, cpu_gemm
@@ -266,7 +265,7 @@ def test_linear_backend_setting(monkeypatch):
     assert backends_for("auto", torch.device("cuda"), torch.bfloat16) == ["torch"]
     if cpu.available() and torch.backends.mkldnn.is_available():
         for amx, bf16_order in ((False, ["cpu", "onednn", "torch"]), (True, ["onednn", "cpu", "torch"])):
-            monkeypatch.setattr(linear, "has_amx", lambda amx=amx: amx)
+            monkeypatch.setattr(utils, "has_amx", lambda amx=amx: amx)
             assert backends_for("auto", dev, torch.bfloat16) == bf16_order
             assert backends_for("auto", dev, torch.float32) == ["cpu", "onednn", "torch"]
     with pytest.raises(ValueError, match="linear_backend='onednn' needs a CPU device"):
