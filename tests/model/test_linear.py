@@ -42,7 +42,7 @@ def check_against_float64(layer: Linear, w, b, x, rel: float) -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 300, 2100])  # 2,100: pieces of 2,048 and 52 rows, padded
 def test_onednn_linear_equals_f_linear(bias, rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=gen)
