@@ -35,7 +35,7 @@ _PACK_HINT_ROWS = 128
 # padded up to the next size of this list (at most 7 rows more up to 64, at most 25% more above).
 # Prefill chunks take the sizes above 256: on AMX a 2,048-row call ran bench-56m's projections
 # 1.3-2.1x faster than eight 256-row pieces and their concatenation.
-_ROW_SIZES = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+_ROW_SIZES: tuple[int, ...] = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _ROW_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 _MAX_ROWS = _ROW_SIZES[-1]
 _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
