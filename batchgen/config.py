@@ -15,8 +15,8 @@ class EngineConfig:
     ``max_model_len`` defaults to the model's ``max_position_embeddings``.
     ``max_num_batched_tokens`` is the token budget of one step; longer prompts are prefilled in chunks.
     ``linear_backend``: "auto" packs CPU weights for the compiled GEMM kernel, else for oneDNN's
-    GEMM (oneDNN first for bfloat16 on a CPU with AMX; ``batchgen/model/linear.py``); "cpu" and "onednn" take that one or fail loudly where it
-    cannot run; "torch" keeps ``F.linear``.
+    GEMM (oneDNN first for bfloat16 on a CPU with AMX; ``batchgen/model/linear.py``); "cpu" and
+    "onednn" take that one or fail loudly where it cannot run; "torch" keeps ``F.linear``.
     ``preemption_mode``: "recompute" frees a preempted group's blocks and computes them again later;
     "swap" moves them to a host pool of ``swap_space_gb`` (pinned memory on CUDA) and back, falling
     back to recompute when that pool is full; "auto" swaps on CUDA and recomputes on the CPU (where

@@ -13,9 +13,10 @@
 //
 // Without AMX, torch's CPU flash kernel runs at about the same speed in bfloat16 as in float32 (its
 // own blocked GEMMs); this one runs at the dot instruction's rate in bf16. With AMX torch's kernel
-// runs bf16 on AMX tiles, 2.2-4.5x this one, and the engine keeps it (CpuAttention._prefill). Softmax statistics and
-// accumulation are float32; in bf16 the weights are rounded to bf16 before the weighted sum, as
-// torch's flash attention does for reduced dtypes and as the decode kernel (cpu_attention.cpp) does.
+// runs bf16 on AMX tiles, 2.2-4.5x this one, and the engine keeps it (CpuAttention._prefill).
+// Softmax statistics and accumulation are float32; in bf16 the weights are rounded to bf16 before
+// the weighted sum, as torch's flash attention does for reduced dtypes and as the decode kernel
+// (cpu_attention.cpp) does.
 //
 // Work item: one kv head and a block of query positions, whose rows (positions x the group's
 // query heads) share every key tile while it is in L1; 4 rows at a time (2 at head_dim 128) keep
