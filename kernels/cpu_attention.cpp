@@ -538,9 +538,10 @@ constexpr int64_t kMinSharedKeys = 32;
 
 // Consecutive rows whose tables agree on their first whole blocks, at most ``per`` rows a pack:
 // a pack grows while the next row shares at least kMinSharedKeys keys with its first row and at
-// least half of what the pack shares so far.
+// least half of what the pack shares so far. Packs of fewer than ``min_rows`` rows are left to
+// the per-row pass.
 std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t* ctx, int64_t rows,
-                             int64_t block_size, int64_t per) {
+                             int64_t block_size, int64_t per, int64_t min_rows) {
   std::vector<Pack> packs;
   for (int64_t r = 0; r < rows;) {
     int64_t common = ctx[r] / block_size, e = r + 1;
@@ -553,7 +554,7 @@ std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t
       if (c * block_size < kMinSharedKeys || (e - r >= 2 && 2 * c < common)) break;
       common = c;
     }
-    if (e - r >= 2) packs.push_back({r, e - r, common * block_size});
+    if (e - r >= std::max<int64_t>(min_rows, 2)) packs.push_back({r, e - r, common * block_size});
     r = e;
   }
   return packs;
@@ -640,7 +641,16 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 #undef BATCHGEN_GROUP
 }
 
-// share: 1 to run rows that share their first blocks together (attend_shared), 0 for one row at a time
+// The fewest rows of a pack that attend_shared takes under share 1. Its cost per key is that of
+// all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
+// head of a row), and reads the rows' shared blocks from cache after the first (consecutive rows
+// run on one thread). At 12 lanes the two were level or the shared pass up to 15% slower
+// (float32, workload R's 3 query heads per kv head over n=4 samples, and 4 per kv head over n=3),
+// at 16 lanes the shared pass was 13-20% faster (4 per kv head, n=4 and n=8).
+inline int64_t min_pack_rows(int64_t group) { return (kLanes * 3 / 4) / group + 1; }
+
+// share: 0 for one row at a time; 1 to run rows that share their first blocks together
+// (attend_shared) where a pack fills more than 3/4 of its lanes; 2 for every pack (tests)
 template <typename T, bool Dot = true>
 int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
            const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
@@ -651,7 +661,8 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
   // packs only where the per-row pass is the vector one, with no window or soft-capping
   std::vector<Pack> packs;
   if (share && vector_path(group, dim, block_size) && window <= 0 && softcap <= 0)
-    packs = find_packs(tables, table_width, ctx, rows, block_size, kLanes / group);
+    packs = find_packs(tables, table_width, ctx, rows, block_size, kLanes / group,
+                       share == 1 ? min_pack_rows(group) : 2);
   thread_local std::vector<float> state;
   thread_local std::vector<int64_t> done;  // keys of each row the pack pass took
   if (!packs.empty()) {

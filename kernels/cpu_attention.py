@@ -13,6 +13,8 @@ torch backend otherwise.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from kernels.cpu import KernelUnavailable, load
@@ -55,13 +57,15 @@ def paged_decode(
     sinks: torch.Tensor | None = None,  # [heads] float32
     out: torch.Tensor | None = None,  # [rows, heads, dim], contiguous: written in place
     bf16_dot: bool = True,
-    share: bool = True,
+    share: bool | Literal["always"] = True,
 ) -> torch.Tensor:
     """Decode attention of one query token per row over its paged context (see the module).
     ``bf16_dot=False`` widens bfloat16 to float32 before every product even where the bf16 dot
     instruction is compiled in (``bf16_dot_products``): the path other CPUs run, for tests.
     ``share=False`` runs every row on its own, also over the blocks it shares with the rows next to
-    it (by default consecutive rows whose tables start alike attend to those blocks together)."""
+    it. By default consecutive rows whose tables start alike attend to those blocks together where
+    they fill more than 3/4 of the pass's 16 lanes (rows x query heads per kv head; below that the
+    per-row pass was as fast or faster), ``share="always"`` wherever two or more rows share."""
     rows, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
     name = _DTYPES[k_cache.dtype]
@@ -97,7 +101,7 @@ def paged_decode(
         None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
-        int(share),
+        2 if share == "always" else int(bool(share)),
     )
     if rc:
         raise ValueError(

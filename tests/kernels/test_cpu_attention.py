@@ -33,9 +33,9 @@ def decode_batch(gen, contexts, kvh, h, d, bs, dtype):
     return q, kc, vc, tables, torch.tensor(contexts)
 
 
-def check(q, kc, vc, tables, ctx, scale, tol, bf16_dot=True, **kw):
+def check(q, kc, vc, tables, ctx, scale, tol, bf16_dot=True, share=True, **kw):
     ref = paged_attention_ref(q, kc, vc, tables, torch.arange(len(ctx)), ctx, scale, **kw)
-    out = paged_decode(q, kc, vc, tables, ctx, scale, bf16_dot=bf16_dot, **kw)
+    out = paged_decode(q, kc, vc, tables, ctx, scale, bf16_dot=bf16_dot, share=share, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     if q.dtype == torch.bfloat16:
@@ -138,17 +138,37 @@ def shared_batch(gen, kvh, h, d, bs, dtype):
 @pytest.mark.parametrize("use_sinks", [False, True])
 @pytest.mark.parametrize("dtype, tol, bf16_dot", DTYPES, ids=DTYPE_IDS)
 def test_rows_sharing_blocks_attend_them_together(kvh, h, d, bs, use_sinks, dtype, tol, bf16_dot):
-    """The pass over blocks that consecutive rows share (``share``, the default), against the
-    reference and against the kernel run row by row."""
+    """The pass over blocks that consecutive rows share (``share="always"``; by default only where
+    a pack fills its lanes), against the reference and against the kernel run row by row."""
     gen = torch.Generator().manual_seed(h * 10 + d + bs + int(use_sinks))
     q, kc, vc, tables, ctx = shared_batch(gen, kvh, h, d, bs, dtype)
     sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
     check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot, sinks=sinks)
-    together = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot)
+    check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot, share="always", sinks=sinks)
+    together = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot, share="always")
     alone = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot, share=False)
     torch.testing.assert_close(
         together.float(), alone.float(), rtol=tol, atol=1e-2 if dtype == torch.bfloat16 else tol
     )
+
+
+@pytest.mark.parametrize("kvh, h, n, shared", [(3, 9, 4, False), (3, 9, 5, True), (2, 8, 3, False), (2, 8, 4, True)])
+def test_shared_pass_runs_where_a_pack_fills_its_lanes(kvh, h, n, shared):
+    """By default the shared pass takes a pack of n rows only where n x query heads per kv head
+    fills more than 12 of its 16 lanes: its output is then bit for bit the ``share="always"`` one,
+    else the row-by-row one (the two passes round differently, which the first assert checks)."""
+    gen = torch.Generator().manual_seed(n)
+    bs, d, common = 16, 64, 6
+    tables = torch.stack([torch.cat([torch.arange(common), common + torch.arange(2) + 2 * r]) for r in range(n)])
+    ctx = torch.full((n,), common * bs + 20)
+    q = torch.randn((n, h, d), generator=gen)
+    kc, vc = torch.randn((2, kvh, common + 2 * n, bs, d), generator=gen)
+    always = paged_decode(q, kc, vc, tables, ctx, d**-0.5, share="always")
+    alone = paged_decode(q, kc, vc, tables, ctx, d**-0.5, share=False)
+    assert not torch.equal(always, alone)
+    torch.testing.assert_close(always, alone)
+    default = paged_decode(q, kc, vc, tables, ctx, d**-0.5)
+    assert torch.equal(default, always if shared else alone)
 
 
 def test_refuses_what_it_cannot_run():
