@@ -1,6 +1,6 @@
 """The CPU decode attention kernel's shared-block pass against row by row, on a workload's shapes.
 
-    python scripts/decode_attention.py [--workload R|S] [--dtype float32|bfloat16] [--generated 40] [--rounds 12]
+    python scripts/decode_attention.py [--workload R|S] [--n N] [--dtype float32|bfloat16] [--generated 40] [--rounds 12]
     python scripts/decode_attention.py --engine [--dtype ...] [--rounds 3]
 
 Alone: block tables laid out as the engine lays out the n samples of each prompt (the prompt's full
@@ -8,7 +8,8 @@ blocks shared, then each sample's own), one cache per layer, all layers called i
 (so that each layer's K/V comes from memory, as in a step), for ``paged_decode``'s three ``share``
 modes in alternation; the median ms of the layers' calls per round for each. R: bench-deep's
 attention shapes (9 query heads over 3 KV heads, head size 64, 30 layers), 32 prompts of 32-256
-tokens, n=4; S: bench-56m's (8 over 2, 8 layers), 16 prompts of 64-256 tokens, n=8.
+tokens, n=4; S: bench-56m's (8 over 2, 8 layers), 16 prompts of 64-256 tokens, n=8. ``--n``: another
+number of samples per prompt (n=2: the job benchmark's).
 
 ``--engine``: workload R through ``LLM.generate`` on ``models/bench-deep`` (built if missing), in
 one engine, alternating ``share="always"`` and the default, timing the decode kernel's calls in each
@@ -56,6 +57,7 @@ def tables_like_the_engine(prompts: np.ndarray, n: int, generated: int, block_si
 
 def alone(args: argparse.Namespace) -> None:
     kvh, heads, dim, layers, count, (lo, hi), n = SHAPES[args.workload]
+    n = args.n or n
     dtype = getattr(torch, args.dtype)
     prompts = np.random.default_rng(0).integers(lo, hi + 1, size=count)
     tables, ctx, blocks = tables_like_the_engine(prompts, n, args.generated, 16)
@@ -140,6 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="R", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--n", type=int, default=None, help="samples per prompt (default: the workload's)")
     ap.add_argument("--generated", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
