@@ -1,6 +1,7 @@
 """The CPU decode attention kernel's shared-block pass against row by row, on a workload's shapes.
 
-    python scripts/decode_attention.py [--workload R|S] [--n N] [--dtype float32|bfloat16] [--generated 40] [--rounds 12]
+    python scripts/decode_attention.py [--workload R|S] [--n N] [--dtype float32|bfloat16] [--generated 40]
+        [--rounds 12]
     python scripts/decode_attention.py --engine [--dtype ...] [--rounds 3]
 
 Alone: block tables laid out as the engine lays out the n samples of each prompt (the prompt's full

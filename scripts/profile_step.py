@@ -1,8 +1,9 @@
 """Where one engine step's time goes on the CPU path, at a batch of 128 decoding sequences
-(workload S shape: 16 prompts x n=8 on bench-56m).
+(workload S shape: 16 prompts x n=8 on bench-56m), or of workload B's 64 beams (``--beam-width 4``:
+16 prompts, beam search of width 4; the beam step is in "post-processing").
 
     python scripts/profile_step.py [--model models/bench-56m] [--steps 24] [--dtype bfloat16]
-        [--attention-backend torch]
+        [--attention-backend torch] [--beam-width 4]
 
 Prints each part's share of the step: the model forward (of which attention: KV write, scores,
 softmax), the LM head, sampling, scheduler + block manager, input building, post-processing
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.model.attention import CpuAttention
 
 
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    ap.add_argument(
+        "--beam-width", type=int, default=0, help="beam search of this width instead of n=8 sampling"
+    )
     args = ap.parse_args()
     if not (Path(args.model) / "config.json").exists():
         from batchgen.tiny import make_bench_model
@@ -54,13 +58,14 @@ def main() -> None:
     prompts = [rng.integers(3, 32000, size=int(n)).tolist() for n in rng.integers(64, 257, size=16)]
     eng = llm.engine
     for i, p in enumerate(prompts):
-        eng.add_request(
-            str(i),
-            p,
-            SamplingParams(
+        params = (
+            BeamSearchParams(beam_width=args.beam_width, max_tokens=args.steps + 8, ignore_eos=True)
+            if args.beam_width
+            else SamplingParams(
                 n=8, temperature=0.8, top_p=0.95, max_tokens=args.steps + 8, ignore_eos=True, seed=i
-            ),
+            )
         )
+        eng.add_request(str(i), p, params)
     for _ in range(4):  # prefill and the first decode steps
         eng.step()
     running = sum(len(g.live_seqs) for g in eng.scheduler.running)

@@ -145,21 +145,25 @@ def test_rows_sharing_blocks_attend_them_together(kvh, h, d, bs, use_sinks, dtyp
     sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
     check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot, sinks=sinks)
     check(3 * q, kc, vc, tables, ctx, d**-0.5, tol, bf16_dot, share="always", sinks=sinks)
-    together = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot, share="always")
-    alone = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, bf16_dot=bf16_dot, share=False)
+    kw = dict(sinks=sinks, bf16_dot=bf16_dot)
+    together = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, share="always", **kw)
+    alone = paged_decode(3 * q, kc, vc, tables, ctx, d**-0.5, share=False, **kw)
     torch.testing.assert_close(
         together.float(), alone.float(), rtol=tol, atol=1e-2 if dtype == torch.bfloat16 else tol
     )
 
 
-@pytest.mark.parametrize("kvh, h, n, shared", [(3, 9, 4, False), (3, 9, 5, True), (2, 8, 3, False), (2, 8, 4, True)])
+@pytest.mark.parametrize(
+    "kvh, h, n, shared", [(3, 9, 4, False), (3, 9, 5, True), (2, 8, 3, False), (2, 8, 4, True)]
+)
 def test_shared_pass_runs_where_a_pack_fills_its_lanes(kvh, h, n, shared):
     """By default the shared pass takes a pack of n rows only where n x query heads per kv head
     fills more than 12 of its 16 lanes: its output is then bit for bit the ``share="always"`` one,
     else the row-by-row one (the two passes round differently, which the first assert checks)."""
     gen = torch.Generator().manual_seed(n)
     bs, d, common = 16, 64, 6
-    tables = torch.stack([torch.cat([torch.arange(common), common + torch.arange(2) + 2 * r]) for r in range(n)])
+    own = [common + torch.arange(2) + 2 * r for r in range(n)]  # each row's two blocks
+    tables = torch.stack([torch.cat([torch.arange(common), blocks]) for blocks in own])
     ctx = torch.full((n,), common * bs + 20)
     q = torch.randn((n, h, d), generator=gen)
     kc, vc = torch.randn((2, kvh, common + 2 * n, bs, d), generator=gen)
