@@ -538,8 +538,8 @@ constexpr int64_t kMinSharedKeys = 32;
 
 // Consecutive rows whose tables agree on their first whole blocks, at most ``per`` rows a pack:
 // a pack grows while the next row shares at least kMinSharedKeys keys with its first row and at
-// least half of what the pack shares so far. Packs of fewer than ``min_rows`` rows are left to
-// the per-row pass.
+// least half of what the pack shares so far. Packs of fewer than ``min_rows`` (at least 2) rows
+// are left to the per-row pass.
 std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t* ctx, int64_t rows,
                              int64_t block_size, int64_t per, int64_t min_rows) {
   std::vector<Pack> packs;
@@ -554,7 +554,7 @@ std::vector<Pack> find_packs(const int64_t* tables, int64_t width, const int64_t
       if (c * block_size < kMinSharedKeys || (e - r >= 2 && 2 * c < common)) break;
       common = c;
     }
-    if (e - r >= std::max<int64_t>(min_rows, 2)) packs.push_back({r, e - r, common * block_size});
+    if (e - r >= min_rows) packs.push_back({r, e - r, common * block_size});
     r = e;
   }
   return packs;
@@ -644,9 +644,10 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 // The fewest rows of a pack that attend_shared takes under share 1. Its cost per key is that of
 // all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
 // head of a row), and reads the rows' shared blocks from cache after the first (consecutive rows
-// run on one thread). At 12 lanes the two were level or the shared pass up to 15% slower
+// run on one thread). At 12 lanes the two were level or the shared pass up to 20% slower
 // (float32, workload R's 3 query heads per kv head over n=4 samples, and 4 per kv head over n=3),
-// at 16 lanes the shared pass was 13-20% faster (4 per kv head, n=4 and n=8).
+// at 16 lanes the shared pass was 13-20% faster (4 per kv head, n=4 and n=8): see
+// scripts/decode_attention.py. At least 2 for the groups the vector path takes (up to 8).
 inline int64_t min_pack_rows(int64_t group) { return (kLanes * 3 / 4) / group + 1; }
 
 // share: 0 for one row at a time; 1 to run rows that share their first blocks together

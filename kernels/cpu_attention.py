@@ -66,6 +66,8 @@ def paged_decode(
     it. By default consecutive rows whose tables start alike attend to those blocks together where
     they fill more than 3/4 of the pass's 16 lanes (rows x query heads per kv head; below that the
     per-row pass was as fast or faster), ``share="always"`` wherever two or more rows share."""
+    if share not in (True, False, "always"):
+        raise ValueError(f"paged_decode: share must be True, False or 'always', not {share!r}")
     rows, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
     name = _DTYPES[k_cache.dtype]
@@ -101,7 +103,7 @@ def paged_decode(
         None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
-        2 if share == "always" else int(bool(share)),
+        2 if share == "always" else int(share),
     )
     if rc:
         raise ValueError(

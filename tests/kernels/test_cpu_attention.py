@@ -173,6 +173,8 @@ def test_shared_pass_runs_where_a_pack_fills_its_lanes(kvh, h, n, shared):
     torch.testing.assert_close(always, alone)
     default = paged_decode(q, kc, vc, tables, ctx, d**-0.5)
     assert torch.equal(default, always if shared else alone)
+    with pytest.raises(ValueError, match="share must be True, False or 'always'"):
+        paged_decode(q, kc, vc, tables, ctx, d**-0.5, share="never")
 
 
 def test_refuses_what_it_cannot_run():
