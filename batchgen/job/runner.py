@@ -197,6 +197,8 @@ class JobRunner:
         key = "custom_id" if self.openai_in else self.cfg.input.id_column
         try:
             for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
+                if stop.is_set():
+                    return
                 check_unchanged(state)  # rows read from a file being rewritten never reach the output
                 for row in batch:
                     pos = position
@@ -216,20 +218,25 @@ class JobRunner:
                         counts["duplicate_ids"] += 1
                         continue
                     seen.add(rid)
-                    while not stop.is_set():
-                        try:
-                            q.put(self.codec.build(tokenizer, row, rid), timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
+                    self._offer(q, self.codec.build(tokenizer, row, rid), stop)
                     if stop.is_set():
                         return
             check_unchanged(state)
         except StopIteration:
             pass
         except Exception as e:  # noqa: BLE001 - the main thread reports it
-            q.put(e)
-        q.put(_END)
+            self._offer(q, e, stop)
+        self._offer(q, _END, stop)
+
+    @staticmethod
+    def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+        """Put ``item`` unless the job stops first: a stopped job no longer reads the queue."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     # -- output rows ---------------------------------------------------------------------------
     def _writer(self, sink: ShardSink, q: queue.Queue, schema, errors: list[BaseException]) -> None:
@@ -274,6 +281,10 @@ class JobRunner:
         if total is not None and len(done) >= total:
             return self._nothing_to_do(sink, total, len(done))
         engine = LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
+        # From here on a signal only stops the loop, and the reader and writer threads are always
+        # stopped and joined before the job returns: a daemon thread still inside pyarrow or the
+        # tokenizer when the interpreter exits can abort the process (SIGABRT, not 128 + signal).
+        signals.graceful = True
         self._write_manifest()  # only once the model loaded: a failed start leaves no manifest
         cap = self.cfg.run.max_rows_in_flight or 4 * engine.cfg.max_num_seqs
         counts = {"skipped_done": 0, "duplicate_ids": 0, "rows_read": 0}
@@ -284,10 +295,12 @@ class JobRunner:
         stop = threading.Event()
         writer_errors: list[BaseException] = []
         schema = None if self.openai_in else schema_of(self.files, self.fmt)
-        reader = threading.Thread(target=self._reader, args=(req_q, done, counts, stop, state), daemon=True)
-        writer = threading.Thread(target=self._writer, args=(sink, out_q, schema, writer_errors), daemon=True)
-        reader.start()
-        writer.start()
+        reader = threading.Thread(
+            target=self._reader, args=(req_q, done, counts, stop, state), name="batchgen-reader", daemon=True
+        )
+        writer = threading.Thread(
+            target=self._writer, args=(sink, out_q, schema, writer_errors), name="batchgen-writer", daemon=True
+        )
 
         report = JobReport(rows_total=total, rows_previously_done=len(done))
         bar = tqdm(
@@ -301,14 +314,18 @@ class JobRunner:
         )
         lookahead = self.cfg.run.lookahead_rows or 4 * cap
         loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap, lookahead)
-        signals.graceful = True  # from here on a signal stops the loop and the rows are saved
         try:
+            reader.start()
+            writer.start()
             loop.run(signals)
         finally:
             stop.set()
             bar.close()
-            self._put(out_q, _END, writer_errors, force=True)
-            writer.join()
+            if writer.is_alive():
+                self._put(out_q, _END, writer_errors, force=True)
+                writer.join()
+            if reader.is_alive():
+                reader.join()
         if writer_errors:
             raise writer_errors[0]
         if signals.received is not None:

@@ -115,11 +115,42 @@ def test_a_second_signal_exits_at_once_and_the_job_still_resumes(tmp_path, llama
     wait_until(engine_running(out), proc, "the model loaded")
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
     res = run_job(config)
     assert res.returncode == 0, res.stderr
     assert_every_id_once(out, n)
+
+
+def test_a_signal_as_rows_start_to_flow_stops_the_reader_and_writer_threads(tmp_path, llama_dir):
+    """SIGTERM the moment the model has loaded, in this process: ``run`` raises ``JobInterrupted``
+    only after its reader and writer threads have ended. A thread left inside pyarrow or the
+    tokenizer while the interpreter exits aborts the process (SIGABRT) instead of exiting 143."""
+    import threading
+
+    from batchgen.job.config import load_job_config
+    from batchgen.job.runner import JobInterrupted, JobRunner
+
+    n = 2000  # far more than one engine-full: the job is still running when the signal comes
+    config = write_config(tmp_path, llama_dir, parquet_input(tmp_path, n), GEN,
+                          output={"rows_per_shard": 7, "flush_seconds": 0.5}, run={"progress": False}, **SLOW)
+    out = tmp_path / "out"
+    loaded = engine_running(out)
+
+    def signal_once_loaded() -> None:
+        wait_until(loaded)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_loaded, daemon=True)
+    sender.start()
+    with pytest.raises(JobInterrupted) as stopped:
+        JobRunner(load_job_config(config)).run()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    left = [t.name for t in threading.enumerate() if t.name.startswith("batchgen-")]
+    assert not left, f"threads still running after the job returned: {left}"
+    manifest = json.loads((out / ".batchgen" / "manifest.json").read_text())
+    assert manifest["shards"] == shard_rows_on_disk(out)
+    assert 0 <= len(read_output(out)) < n
 
 
 def _mount_tmpfs(path: Path, size: str) -> None:
