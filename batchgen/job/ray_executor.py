@@ -255,8 +255,6 @@ class RayJobRunner(JobRunner):
             {"unit": u, "start": u * size, "stop": min((u + 1) * size, total), "skip": skip.get(u, [])}
             for u in units
         ]
-        started = init_ray(self.cfg.ray.address, self.cfg.ray.num_replicas * self.cfg.ray.cpus_per_replica)
-        self._write_manifest(sink)
         report = JobReport(rows_total=total, rows_previously_done=rows_before)
         bar = tqdm(
             total=total,
@@ -268,8 +266,14 @@ class RayJobRunner(JobRunner):
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
         )
         engines: dict[str, dict] = {}
+        started = False
+        failure: Exception | None = None
         try:
+            # a signal while Ray starts stops the job at once; from then on it only ends the loop,
+            # and Ray is always shut down here
+            started = init_ray(self.cfg.ray.address, self.cfg.ray.num_replicas * self.cfg.ray.cpus_per_replica)
             signals.graceful = True
+            self._write_manifest(sink)
             import ray.data
 
             quiet_ray_data()
@@ -304,17 +308,21 @@ class RayJobRunner(JobRunner):
                 if signals.received is not None:
                     break
         except ray.exceptions.RayError as e:  # a task that failed for good (not a dead actor: retried)
-            rows, _ = sink.totals()
-            self._write_manifest(sink)
-            raise JobIncomplete(
-                f"the Ray job failed: {_task_error(e)}; the {rows} rows written to "
-                f"{self.out_dir} are kept, rerun the same command to resume"
-            ) from e
+            failure = e
         finally:
             bar.close()
             if started:
                 ray.shutdown()
-        self._write_manifest(sink)
+            # The replicas write their units' shards themselves, and after a signal or a failure
+            # some finished units the loop never accounted for: the manifest lists what is on disk.
+            sink.rescan()
+            self._write_manifest(sink)
+        if failure is not None:
+            rows, _ = sink.totals()
+            raise JobIncomplete(
+                f"the Ray job failed: {_task_error(failure)}; the {rows} rows written to "
+                f"{self.out_dir} are kept, rerun the same command to resume"
+            ) from failure
         if signals.received is not None:
             rows, _ = sink.totals()
             raise JobInterrupted(

@@ -179,6 +179,10 @@ class ShardSink:
             self.schema = output_schema(input_schema, rows, (self.id_key, "row_index"))
         return rows_table(rows, self.schema)
 
+    def rescan(self) -> None:
+        """Read the shards on disk again: other processes (Ray replicas) may have written some."""
+        self._rows_by_shard = self._scan_rows()
+
     def note(self, name: str, rows: int) -> None:
         """Record a shard that another process wrote into this directory (a Ray replica)."""
         if self._rows_by_shard is None:

@@ -20,7 +20,7 @@ import ray
 
 from batchgen.job.config import load_job_config
 from batchgen.job.ray_executor import RayJobRunner
-from batchgen.job.runner import JobIncomplete, JobRunner
+from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRunner
 from batchgen.ray_data import build_processor
 from tests.job.helpers import ROOT, write_config
 
@@ -126,6 +126,33 @@ def test_the_ray_executor_writes_what_the_local_one_writes_and_resumes(ray_clust
     (out / "part-ray-000003.parquet").unlink()  # ... but one lost shard is made again
     again = RayJobRunner(ray_cfg(config, out)).run()
     assert again.rows_previously_done == N - 6 and again.rows_ok + again.rows_failed == 6
+    assert_same_rows(by_id(out), want)
+
+
+def test_sigterm_once_ray_has_started_saves_the_finished_units_and_a_rerun_completes(ray_cluster, job):
+    """The manifest is written once Ray is up; a SIGTERM from then on (here: at once) stops the job.
+    The manifest then lists every shard on disk, the units the replicas finished after the driver
+    stopped reading included, and the rerun writes the rest."""
+    tmp, config, want = job
+    out = tmp / "out-ray-sigterm"
+    manifest = out / ".batchgen" / "manifest.json"
+
+    def signal_once_started() -> None:
+        while not manifest.exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_started, daemon=True).start()
+    with pytest.raises(JobInterrupted, match="interrupted by SIGTERM: .* rerun the same command to resume"):
+        RayJobRunner(ray_cfg(config, out)).run()
+    shards = {p.name: pq.ParquetFile(p).metadata.num_rows for p in out.glob("part-*.parquet")}
+    assert json.loads(manifest.read_text())["shards"] == shards
+    again = RayJobRunner(ray_cfg(config, out)).run()
+    saved = sum(shards.values())
+    if saved == N:  # the replicas had finished every unit: the rerun finds nothing to do
+        assert again.nothing_to_do == N
+    else:
+        assert again.rows_previously_done == saved
     assert_same_rows(by_id(out), want)
 
 
