@@ -28,7 +28,7 @@ SOURCES = [
     HERE / f"{name}.cpp"
     for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam", "cpu_gemm")
 ]
-HEADERS = [HERE / "cpu_simd.h"]
+HEADERS = [HERE / "cpu_simd.h", HERE / "cpu_amx.h"]
 FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -39,7 +39,9 @@ SIGNATURES = {
     "paged_decode_f32": (_INT, _DECODE),
     "paged_decode_bf16": (_INT, _DECODE),
     "paged_decode_bf16_widened": (_INT, _DECODE),
+    "paged_decode_bf16_dot": (_INT, _DECODE),
     "bf16_dot_products": (_INT, []),
+    "amx_tiles": (_INT, []),
     # adjusted, raw, rows, vocab, inv_temp, block, probs, block_sums, raw_lse, threads
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -530,6 +531,173 @@ void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_
 }
 #endif
 
+#ifdef BATCHGEN_AMX
+// attend_shared_bf16_dot on AMX tiles, for head_dim 64 or 128: the same lanes (one query head of a
+// pack's row each), the same bf16 products and float32 sums, in two phases over the shared keys.
+// (A row alone on tiles, its 3-4 query heads per kv head as lanes, ran slower than attend_bf16_dot.)
+//
+// Phase A, per 32 keys: the scores of 16 keys for all lanes are one tile product S^T = K Q^T (A: 16
+// keys x 32 dims straight from the cache, B: the lanes' query pairs, laid out once; one product per
+// 32 dims), stored as 16 lane vectors, as the other passes hold them. The online softmax runs on
+// them per lane, but the running maximum moves only where a score passes it by more than
+// kLazyRescale (weights up to e^8 stay exact in float32, and bf16 rounding is relative), so the
+// accumulators rarely need rescaling. The weights, rounded to bf16 in pairs of keys, are
+// transposed into the A tile of phase B (lane x 32 keys) and kept, with each rescale.
+// Phase B, per 64 dims of the head: the weighted sums P V accumulate in four tiles (lane x 16 dims
+// in the unpack order of attend_bf16_dot) over the kept weights and the values interleaved in pairs
+// of keys, with the rescales of phase A replayed between chunks. In the last chunk, keys past
+// ``keys`` score -inf and their values are read as zeros.
+constexpr float kLazyRescale = 8.0f;
+
+template <int N>  // N: head_dim / 16 (4 or 8)
+void attend_shared_amx(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const uint16_t* v_cache,
+                       const int64_t* table, int64_t keys, int64_t rows, int64_t group, int64_t num_blocks,
+                       int64_t block_size, int64_t kv_head, float scale, const float* sinks, float* state) {
+  constexpr int D = 16 * N, P = N / 2;  // P: 32-dim pieces
+  static_assert(P == 2 || P == 4, "head_dim 64 or 128");
+  const int64_t chunks = (keys + 31) / 32;
+  alignas(64) uint32_t qp[D / 2][kLanes];  // B tiles of S^T: piece c is rows 16c .. 16c + 15
+  thread_local std::vector<uint32_t> weights;  // per chunk: the A tile of phase B, [lane][key pair]
+  thread_local std::vector<float> rescales;    // per chunk: 16 lanes' factors (a NaN first: none)
+  weights.resize(static_cast<size_t>(chunks) * 256);
+  rescales.resize(static_cast<size_t>(chunks) * kLanes);
+  for (int j = 0; j < D / 2; ++j)
+    for (int lane = 0; lane < kLanes; ++lane) qp[j][lane] = 0;
+  v16 m = v16{} - INFINITY, l = v16{};
+  for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
+    const uint16_t* qh = q + (r * heads + head) * D;
+    for (int j = 0; j < D / 2; ++j) std::memcpy(&qp[j][lane], qh + 2 * j, 4);
+    if (sinks) {  // a sink: one more logit whose value vector is zero
+      m[lane] = sinks[head];
+      l[lane] = 1.0f;
+    }
+  });
+  const int64_t head_base = kv_head * num_blocks * block_size * D;
+  auto offset = [&](int64_t pos) { return head_base + (table[pos / block_size] * block_size + pos % block_size) * D; };
+  configure_full_tiles();
+  // phase A. Tiles: 0 the scores, 1 the keys, 2 .. 2 + P - 1 the query pieces
+  _tile_loadd(2, &qp[0][0], 64);
+  _tile_loadd(3, &qp[16][0], 64);
+  if constexpr (P == 4) {
+    _tile_loadd(4, &qp[32][0], 64);
+    _tile_loadd(5, &qp[48][0], 64);
+  }
+  const v16 minus_inf = v16{} - INFINITY;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    alignas(64) float s[32][kLanes];
+    for (int g = 0; g < 2; ++g) {
+      const int64_t pos = 32 * ch + 16 * g;
+      const int64_t valid = std::min<int64_t>(std::max<int64_t>(keys - pos, 0), 16);
+      if (valid > 0) {
+        const uint16_t* kb = k_cache + offset(pos);
+        _tile_zero(0);
+        _tile_loadd(1, kb, D * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, kb + 32, D * 2);
+        _tile_dpbf16ps(0, 1, 3);
+        if constexpr (P == 4) {
+          _tile_loadd(1, kb + 64, D * 2);
+          _tile_dpbf16ps(0, 1, 4);
+          _tile_loadd(1, kb + 96, D * 2);
+          _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, s[16 * g], 64);
+      }
+      for (int64_t k = valid; k < 16; ++k) store16(s[16 * g + k], minus_inf);
+    }
+    v16 e[32];
+    v16 top = minus_inf;
+    for (int k = 0; k < 32; ++k) {
+      e[k] = load16(s[k]) * scale;
+      top = e[k] > top ? e[k] : top;
+    }
+    float* factors = rescales.data() + ch * kLanes;
+    if (_mm512_cmp_ps_mask((__m512)top, (__m512)(m + kLazyRescale), _CMP_GT_OQ)) {
+      // a lane's maximum moves: every lane to its own
+      const v16 mx = top > m ? top : m;
+      const v16 corr = exp16(m - mx);  // 0 where m is -inf
+      l *= corr;
+      m = mx;
+      store16(factors, corr);
+    } else {
+      factors[0] = NAN;
+    }
+    __m512i w[16];  // w[j] lane: the weights of keys 2j (low half) and 2j + 1 as bf16
+    for (int j = 0; j < 16; ++j) {
+      const v16 lo = exp16(e[2 * j] - m), hi = exp16(e[2 * j + 1] - m);  // 0 for -inf
+      l += lo + hi;
+      const v16 rl = round_bf16(lo), rh = round_bf16(hi);
+      const u32x16 word = (reinterpret_cast<const u32x16&>(rh) & 0xffff0000u) | (reinterpret_cast<const u32x16&>(rl) >> 16);
+      w[j] = (__m512i)word;
+    }
+    transpose16x16(w);  // w[lane]: that lane's 16 key pairs
+    for (int lane = 0; lane < kLanes; ++lane) _mm512_storeu_si512(weights.data() + ch * 256 + lane * 16, w[lane]);
+  }
+  // phase B. Tiles: 0 the weights, 1 the values, 4 .. 7 the sums of 64 dims
+  alignas(64) float sums[D / 64][4][kLanes][16];
+  for (int half = 0; half < D / 64; ++half) {
+    float(&part)[4][kLanes][16] = sums[half];
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const float* factors = rescales.data() + ch * kLanes;
+      if (ch > 0 && factors[0] == factors[0]) {
+        _tile_stored(4, part[0], 64);
+        _tile_stored(5, part[1], 64);
+        _tile_stored(6, part[2], 64);
+        _tile_stored(7, part[3], 64);
+        for (int t = 0; t < 4; ++t)
+          for (int lane = 0; lane < kLanes; ++lane) store16(part[t][lane], load16(part[t][lane]) * factors[lane]);
+        _tile_loadd(4, part[0], 64);
+        _tile_loadd(5, part[1], 64);
+        _tile_loadd(6, part[2], 64);
+        _tile_loadd(7, part[3], 64);
+      }
+      alignas(64) uint32_t vp[4][16][16];  // [tile][key pair][dim in the unpack order]
+      const __m512i zero = _mm512_setzero_si512();
+      for (int g = 0; g < 2; ++g) {
+        const int64_t pos = 32 * ch + 16 * g;
+        const int64_t valid = std::min<int64_t>(std::max<int64_t>(keys - pos, 0), 16);
+        const uint16_t* vb = valid > 0 ? v_cache + offset(pos) + 64 * half : nullptr;
+        for (int j = 0; j < 8; ++j)
+          for (int c = 0; c < 2; ++c) {
+            const __m512i x = 2 * j < valid ? _mm512_loadu_si512(vb + 2 * j * D + c * 32) : zero;
+            const __m512i y = 2 * j + 1 < valid ? _mm512_loadu_si512(vb + (2 * j + 1) * D + c * 32) : zero;
+            _mm512_store_si512(vp[2 * c][8 * g + j], _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(vp[2 * c + 1][8 * g + j], _mm512_unpackhi_epi16(x, y));
+          }
+      }
+      _tile_loadd(0, weights.data() + ch * 256, 64);
+      _tile_loadd(1, vp[0], 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, vp[1], 64);
+      _tile_dpbf16ps(5, 0, 1);
+      _tile_loadd(1, vp[2], 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_loadd(1, vp[3], 64);
+      _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, part[0], 64);
+    _tile_stored(5, part[1], 64);
+    _tile_stored(6, part[2], 64);
+    _tile_stored(7, part[3], 64);
+  }
+  _tile_release();
+  // tile 2c + s of a half, column i: dim 32c + 8 (i / 4) + 4s + i % 4 of that half
+  for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
+    float* st = state + (r * heads + head) * (D + 2);
+    st[0] = m[lane];
+    st[1] = l[lane];
+    for (int d = 0; d < D; ++d) {
+      const int x = d % 64;
+      st[2 + d] = sums[d / 64][2 * (x / 32) + (x / 4) % 2][lane][4 * ((x % 32) / 8) + x % 4];
+    }
+  });
+}
+#endif
+
 // A pack of consecutive rows that start with the same ``keys`` keys (whole blocks)
 struct Pack {
   int64_t row, rows, keys;
@@ -577,10 +745,19 @@ inline bool by_dim(int64_t dim, F f) {
 }
 
 // Dot: bfloat16 products on the bf16 dot instruction where it was compiled in
+// amx: on AMX tiles where they were compiled in and the process may use them
 template <typename T, bool Dot>
 bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, const int64_t* table, int64_t keys,
                 int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kvh, float scale,
-                const float* sinks, float* state) {
+                const float* sinks, float* state, bool amx) {
+#if defined(BATCHGEN_AMX) && defined(BATCHGEN_BF16_DOT)
+  if constexpr (Dot && sizeof(T) == 2)
+    if (amx)
+      return by_dim(dim, [&](auto n) {
+        attend_shared_amx<decltype(n)::value>(q, heads, k, v, table, keys, rows, group, num_blocks, block_size, kvh,
+                                              scale, sinks, state);
+      });
+#endif
 #ifdef BATCHGEN_BF16_DOT
   if constexpr (Dot && sizeof(T) == 2)
     return by_dim(dim, [&](auto n) {
@@ -651,19 +828,22 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 inline int64_t min_pack_rows(int64_t group) { return (kLanes * 3 / 4) / group + 1; }
 
 // share: 0 for one row at a time; 1 to run rows that share their first blocks together
-// (attend_shared) where a pack fills more than 3/4 of its lanes; 2 for every pack (tests)
+// (attend_shared) where a pack fills more than 3/4 of its lanes (every pack on AMX tiles); 2 for
+// every pack (tests)
 template <typename T, bool Dot = true>
 int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
            const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
            int64_t block_size, float scale, int64_t window, float softcap, const float* sinks, T* out,
-           int threads, int share) {
+           int threads, int share, bool amx = false) {
   const int64_t group = heads / kv_heads;
   if (group > kMaxGroup || dim > kMaxDim || block_size > kMaxBlock || heads % kv_heads) return 1;
   // packs only where the per-row pass is the vector one, with no window or soft-capping
   std::vector<Pack> packs;
+  // on AMX tiles the shared pass costs a fraction of the per-row one's lanes: every pack takes it
+  const bool tiles = amx && Dot && sizeof(T) == 2;
   if (share && vector_path(group, dim, block_size) && window <= 0 && softcap <= 0)
     packs = find_packs(tables, table_width, ctx, rows, block_size, kLanes / group,
-                       share == 1 ? min_pack_rows(group) : 2);
+                       share == 1 && !tiles ? min_pack_rows(group) : 2);
   thread_local std::vector<float> state;
   thread_local std::vector<int64_t> done;  // keys of each row the pack pass took
   if (!packs.empty()) {
@@ -678,7 +858,7 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
       const Pack& p = packs[it / kv_heads];
       const int64_t kvh = it % kv_heads;
       shared_dim<T, Dot>(dim, q + p.row * heads * dim, heads, k_cache, v_cache, tables + p.row * table_width, p.keys,
-                    p.rows, group, num_blocks, block_size, kvh, scale, sinks, st + p.row * heads * (dim + 2));
+                    p.rows, group, num_blocks, block_size, kvh, scale, sinks, st + p.row * heads * (dim + 2), amx);
     }
   }
   const float* st = packs.empty() ? nullptr : state.data();
@@ -704,6 +884,17 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
 
 extern "C" {
 
+// 1 where paged_decode_bf16's shared pass runs on AMX tiles (compiled in, and granted to the
+// process), else 0
+int amx_tiles() {
+#if defined(BATCHGEN_AMX) && defined(BATCHGEN_BF16_DOT)
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+
 // q, out: [rows, heads, dim]; caches: [kv_heads, num_blocks, block_size, dim]; tables: [rows,
 // table_width]; ctx: [rows] (keys each row attends to, its own included). window 0: none;
 // softcap 0: none; sinks: [heads] float32 or null. Returns 0, or 1 for shapes it does not take.
@@ -720,7 +911,16 @@ int paged_decode_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
                       int64_t num_blocks, int64_t block_size, float scale, int64_t window, float softcap,
                       const float* sinks, uint16_t* out, int threads, int share) {
   return decode<uint16_t>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
-                          window, softcap, sinks, out, threads, share);
+                          window, softcap, sinks, out, threads, share, amx_tiles());
+}
+
+// paged_decode_bf16 without AMX tiles (the shared pass on the bf16 dot instruction), to test both
+int paged_decode_bf16_dot(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* tables,
+                          int64_t width, const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads,
+                          int64_t dim, int64_t num_blocks, int64_t block_size, float scale, int64_t window,
+                          float softcap, const float* sinks, uint16_t* out, int threads, int share) {
+  return decode<uint16_t>(q, k, v, tables, width, ctx, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
+                          window, softcap, sinks, out, threads, share, false);
 }
 
 // paged_decode_bf16 with bf16 values widened to float32 and multiplied there: the path of CPUs

@@ -19,7 +19,7 @@ import torch
 
 from kernels.cpu import KernelUnavailable, load
 
-__all__ = ["KernelUnavailable", "bf16_dot_products", "paged_decode", "prefill", "supports"]
+__all__ = ["KernelUnavailable", "amx_tiles", "bf16_dot_products", "paged_decode", "prefill", "supports"]
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -45,6 +45,14 @@ def bf16_dot_products() -> bool:
     return bool(load().bf16_dot_products())
 
 
+def amx_tiles() -> bool:
+    """Whether bfloat16 rows that share their first blocks attend to them on AMX tiles (Intel
+    Sapphire Rapids and later: compiled in where the build targets such a CPU, and granted to the
+    process by Linux), head_dim 64 or 128: the same bf16 products and float32 sums as the dot
+    instruction's pass, 16 keys x 16 query heads x 32 dims per tile instruction."""
+    return bool(load().amx_tiles())
+
+
 def paged_decode(
     q: torch.Tensor,  # [rows, heads, dim]
     k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
@@ -58,10 +66,12 @@ def paged_decode(
     out: torch.Tensor | None = None,  # [rows, heads, dim], contiguous: written in place
     bf16_dot: bool = True,
     share: bool | Literal["always"] = True,
+    amx: bool = True,
 ) -> torch.Tensor:
     """Decode attention of one query token per row over its paged context (see the module).
     ``bf16_dot=False`` widens bfloat16 to float32 before every product even where the bf16 dot
-    instruction is compiled in (``bf16_dot_products``): the path other CPUs run, for tests.
+    instruction is compiled in (``bf16_dot_products``): the path other CPUs run, for tests;
+    ``amx=False`` keeps the shared pass off AMX tiles where they are used (``amx_tiles``).
     ``share=False`` runs every row on its own, also over the blocks it shares with the rows next to
     it. By default consecutive rows whose tables start alike attend to those blocks together where
     they fill more than 3/4 of the pass's 16 lanes (rows x query heads per kv head; below that the
@@ -71,7 +81,11 @@ def paged_decode(
     rows, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
     name = _DTYPES[k_cache.dtype]
-    fn = getattr(load(), name if bf16_dot or k_cache.dtype != torch.bfloat16 else "paged_decode_bf16_widened")
+    if k_cache.dtype == torch.bfloat16 and not bf16_dot:
+        name = "paged_decode_bf16_widened"
+    elif k_cache.dtype == torch.bfloat16 and not amx:
+        name = "paged_decode_bf16_dot"
+    fn = getattr(load(), name)
     q = q.contiguous()
     tables = tables.contiguous()
     context_lens = context_lens.contiguous()

@@ -13,7 +13,7 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.model.attention import CacheShape, CpuAttention, make_backend
 from kernels import cpu
-from kernels.cpu_attention import bf16_dot_products, paged_decode, supports
+from kernels.cpu_attention import amx_tiles, bf16_dot_products, paged_decode, supports
 from kernels.reference import paged_attention_ref
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
@@ -175,6 +175,56 @@ def test_shared_pass_runs_where_a_pack_fills_its_lanes(kvh, h, n, shared):
     assert torch.equal(default, always if shared else alone)
     with pytest.raises(ValueError, match="share must be True, False or 'always'"):
         paged_decode(q, kc, vc, tables, ctx, d**-0.5, share="never")
+
+
+def rising_shared_batch(gen, kvh, h, d, n, shared_blocks, bs=16):
+    """n rows sharing ``shared_blocks`` blocks (then 1-2 own blocks each), keys whose scale rises
+    along the context: later keys' scores pass the running maximum of the earlier ones by far more
+    than e^8, several times over, so that the tile pass must rescale its accumulators mid-way."""
+    own = [shared_blocks + 2 * r + torch.arange(2) for r in range(n)]
+    tables = torch.stack([torch.cat([torch.arange(shared_blocks), blocks]) for blocks in own])
+    blocks = shared_blocks + 2 * n
+    kc = torch.randn((kvh, blocks, bs, d), generator=gen)
+    growth = torch.linspace(0.2, 6.0, shared_blocks * bs).view(shared_blocks, bs, 1)
+    kc[:, :shared_blocks] *= growth
+    vc = torch.randn((kvh, blocks, bs, d), generator=gen)
+    q = torch.randn((n, h, d), generator=gen)
+    ctx = shared_blocks * bs + torch.tensor([bs + 3 * (r % 5) for r in range(n)])
+    return q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, ctx
+
+
+@pytest.mark.skipif(not amx_tiles(), reason="the shared pass runs on AMX tiles only on a CPU with AMX-BF16")
+@pytest.mark.parametrize("kvh, h, d, n", [(2, 8, 64, 4), (3, 9, 64, 5), (1, 8, 128, 2), (2, 2, 64, 16)])
+@pytest.mark.parametrize("shared_blocks", [7, 33])  # 112 keys (a 16-key tail after 3 x 32) and 528
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_amx_shared_pass_matches_the_reference_and_the_dot_pass(kvh, h, d, n, shared_blocks, use_sinks):
+    """The shared-block pass on AMX tiles (the default on such a CPU) against the reference and
+    against the same pass on the bf16 dot instruction (``amx=False``): both round the softmax
+    weights to bf16, so they agree within that rounding, and they are not the same code (the
+    outputs differ in some last place)."""
+    gen = torch.Generator().manual_seed(d + h + shared_blocks + int(use_sinks))
+    q, kc, vc, tables, ctx = rising_shared_batch(gen, kvh, h, d, n, shared_blocks)
+    sinks = 2 * torch.randn(h, generator=gen) if use_sinks else None
+    ref = paged_attention_ref(q, kc, vc, tables, torch.arange(n), ctx, d**-0.5, sinks=sinks)
+    tiles = paged_decode(q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, share="always")
+    dot = paged_decode(q, kc, vc, tables, ctx, d**-0.5, sinks=sinks, share="always", amx=False)
+    torch.testing.assert_close(tiles.float(), ref.float(), rtol=2**-6, atol=1e-2)
+    torch.testing.assert_close(tiles.float(), dot.float(), rtol=2**-6, atol=1e-2)
+    assert not torch.equal(tiles, dot)
+
+
+@pytest.mark.skipif(not amx_tiles(), reason="the shared pass runs on AMX tiles only on a CPU with AMX-BF16")
+def test_on_amx_tiles_every_pack_takes_the_shared_pass():
+    """On tiles the shared pass costs less than the per-row one for any pack: by default it takes
+    R's packs of 4 rows x 3 query heads (12 lanes), which the dot instruction's rule leaves row by row."""
+    gen = torch.Generator().manual_seed(5)
+    q, kc, vc, tables, ctx = rising_shared_batch(gen, 3, 9, 64, 4, 6)
+    default = paged_decode(q, kc, vc, tables, ctx, 0.125)
+    assert torch.equal(default, paged_decode(q, kc, vc, tables, ctx, 0.125, share="always"))
+    alone = paged_decode(q, kc, vc, tables, ctx, 0.125, share=False)
+    assert not torch.equal(default, alone)
+    dot_default = paged_decode(q, kc, vc, tables, ctx, 0.125, amx=False)
+    assert torch.equal(dot_default, alone)
 
 
 def test_refuses_what_it_cannot_run():
