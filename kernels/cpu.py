@@ -69,6 +69,7 @@ SIGNATURES = {
     # q, k, v, table, n, ctx, heads, kv_heads, dim, num_blocks, block_size, scale, out, threads
     "prefill_bf16": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     "prefill_f32": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
+    "prefill_bf16_amx": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
     # w, n, k, out

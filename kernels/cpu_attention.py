@@ -134,12 +134,14 @@ def prefill(
     table: torch.Tensor,  # [blocks] int64: the sequence's block table, covering ctx positions
     context_len: int,
     scale: float,
+    amx: bool = False,
 ) -> torch.Tensor | None:
     """Causal attention of a prefill chunk over its paged context (``cpu_prefill.cpp``: bfloat16 on
     the bf16 dot instruction, float32 on FMA products), without a window, soft-capping or sinks;
     None where the kernel does not run (no AVX-512 compiled in, or for bf16 no AVX-512 BF16;
     head_dim other than 64 or 128, more than 16 query heads per kv head), and the caller keeps
-    torch's kernel."""
+    torch's kernel. ``amx=True``: a bfloat16 chunk on AMX tiles instead (``amx_tiles``; blocks of
+    16 / group positions, each over its keys: for short chunks), None where they are not used."""
     n, heads, dim = q.shape
     kvh, num_blocks, block_size, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
@@ -148,7 +150,11 @@ def prefill(
     q = q.contiguous()
     table = table.contiguous()
     out = torch.empty_like(q)
+    if amx and q.dtype != torch.bfloat16:
+        return None
     fn = load().prefill_bf16 if q.dtype == torch.bfloat16 else load().prefill_f32
+    if amx:
+        fn = load().prefill_bf16_amx
     rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),

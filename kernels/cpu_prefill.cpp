@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__)
@@ -328,6 +329,44 @@ int prefill_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
                  int64_t block_size, float scale, uint16_t* out, int threads) {
   return prefill_entry(q, k_cache, v_cache, table, n, ctx, heads, kv_heads, dim, num_blocks, block_size, scale, out,
                        threads);
+}
+
+// A bfloat16 chunk on AMX tiles (amx_attend): one work item per kv head and block of 16 / group
+// positions (their query heads are the tile's lanes, each position seeing the keys up to its own),
+// the latest positions first. Every item reads its keys and values again (from cache after the
+// first), so this is for short chunks: the engine keeps torch's flash kernel, on AMX tiles too, for
+// long ones. Returns 1 where it does not run (no AMX, head_dim other than 64 / 128, more than 16
+// query heads per kv head, blocks of other than a multiple of 16 keys).
+int prefill_bf16_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                     int64_t n, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
+                     int64_t block_size, float scale, uint16_t* out, int threads) {
+#ifdef BATCHGEN_AMX
+  const int64_t group = heads / kv_heads;
+  if (!amx_permitted() || heads % kv_heads || group > kAmxLanes || block_size % 16 || (dim != 64 && dim != 128))
+    return 1;
+  const int64_t per = kAmxLanes / group;  // positions per item
+  const int64_t blocks = (n + per - 1) / per;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+  for (int64_t it = 0; it < blocks * kv_heads; ++it) {
+    const int64_t p0 = (blocks - 1 - it / kv_heads) * per, kvh = it % kv_heads;
+    const int64_t rows = std::min(per, n - p0);
+    int64_t limits[kAmxLanes];
+    for (int64_t r = 0; r < rows; ++r) limits[r] = ctx - n + p0 + r + 1;
+    const uint16_t* qp = q + p0 * heads * dim;
+    uint16_t* op = out + p0 * heads * dim;
+    if (dim == 64)
+      amx_attend<4>(qp, heads, k_cache, v_cache, table, limits[rows - 1], rows, group, num_blocks, block_size, kvh,
+                    scale, nullptr, limits, nullptr, op, true);
+    else
+      amx_attend<8>(qp, heads, k_cache, v_cache, table, limits[rows - 1], rows, group, num_blocks, block_size, kvh,
+                    scale, nullptr, limits, nullptr, op, true);
+  }
+  return 0;
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)table, (void)n, (void)ctx, (void)heads, (void)kv_heads, (void)dim;
+  (void)num_blocks, (void)block_size, (void)scale, (void)out, (void)threads;
+  return 1;
+#endif
 }
 
 int prefill_f32(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t n,

@@ -293,6 +293,12 @@ class CpuAttention(TorchAttention):
     # prompts against torch's 0.46 / 4.97 / 13.8 / 45.1, and 282 against 254 ms for 2,048 tokens
     # after 6,144 cached (FMA products run at half the bf16 dot instruction's rate).
     F32_PREFILL_MAX_CONTEXT = 2048
+    # bfloat16 chunks on AMX tiles while one kv head's keys and values (context x head_dim x 2 x 2
+    # bytes) fit in a core's L2: every block of 16 / group positions reads them again. Per layer at
+    # bench-56m's shapes on 2 cores, against torch's flash kernel (on AMX tiles too): 32 tokens after
+    # 512 cached 0.068 vs 0.236 ms, a 544-token prompt 0.71 vs 0.80, 2,048 after 6,144 cached 42.9
+    # vs 45.6; 2,048 after 14,336 cached 114 vs 80 (past this limit).
+    AMX_PREFILL_MAX_KV = 8192 * 64
 
     def __init__(self) -> None:
         super().__init__()
@@ -306,10 +312,17 @@ class CpuAttention(TorchAttention):
         """Chunks on the compiled prefill kernel (bf16 on the dot instruction: torch's flash kernel
         is no faster in bf16 than in float32 without AMX; float32 on FMA products up to
         ``F32_PREFILL_MAX_CONTEXT`` positions), where it runs; else the torch path. bfloat16 on a
-        CPU with AMX keeps torch's flash kernel, whose products run on AMX tiles there: 2.2-4.5x
-        the kernel's speed (a 2,048-token prompt 9.2 vs 28.7 ms per layer, a 2,048-token chunk over
-        16,384 keys 106 vs 480, at bench-56m's shapes on 2 cores)."""
+        CPU with AMX runs on the kernel's AMX tiles up to ``AMX_PREFILL_MAX_KV``, and on torch's
+        flash kernel past it, whose products run on AMX tiles too there: 2.2-4.5x the dot
+        instruction's kernel (a 2,048-token prompt 9.2 vs 28.7 ms per layer, a 2,048-token chunk
+        over 16,384 keys 106 vs 480, at bench-56m's shapes on 2 cores)."""
         amx_bf16 = q.dtype == torch.bfloat16 and utils.has_amx()
+        if amx_bf16 and _plain_causal(layer) and chunk.context_len * q.shape[-1] <= self.AMX_PREFILL_MAX_KV:
+            out = self._prefill_kernel(
+                q, k_cache, v_cache, chunk.block_table, chunk.context_len, layer.scale, amx=True
+            )
+            if out is not None:
+                return out
         if (
             _plain_causal(layer)
             and not amx_bf16
