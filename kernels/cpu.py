@@ -2,7 +2,8 @@
 prefill attention; ``cpu_sampling.cpp``: the sampler's fused full-vocabulary passes;
 ``cpu_ops.cpp``: RMSNorm, SwiGLU and rotary embeddings in one pass each, the KV-cache store;
 ``cpu_beam.cpp``: beam search's candidate step; ``cpu_gemm.cpp``: linear layers on packed
-weights), built into one shared library at first use.
+weights; headers ``cpu_simd.h``, vector helpers, and ``cpu_amx.h``, attention on AMX tiles for the
+decode and prefill kernels), built into one shared library at first use.
 
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; one object file per source, as many at once as there are CPUs, then

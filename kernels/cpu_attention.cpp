@@ -6,8 +6,8 @@
 // while it is in L1. Items are split over OpenMP threads (torch's own libgomp: same soname, so
 // one thread pool in the process). Accumulation is in float32 for every cache dtype. Before
 // that, consecutive rows whose tables start with the same blocks run those blocks together
-// (attend_shared: one work item per pack of rows and kv head), and each row's item goes on from
-// the pack's softmax state.
+// (attend_shared: one work item per pack of rows and kv head; for bfloat16 on a CPU with AMX,
+// amx_attend on tiles, cpu_amx.h), and each row's item goes on from the pack's softmax state.
 //
 // Built at first use by kernels/cpu.py; the torch backend is the reference it is tested
 // against (tests/kernels/test_cpu_attention.py).
@@ -652,7 +652,7 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 #undef BATCHGEN_GROUP
 }
 
-// The fewest rows of a pack that attend_shared takes under share 1. Its cost per key is that of
+// The fewest rows of a pack that attend_shared takes under share 1 (on AMX tiles: 2, see decode). Its cost per key is that of
 // all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
 // head of a row), and reads the rows' shared blocks from cache after the first (consecutive rows
 // run on one thread). At 12 lanes the two were level or the shared pass up to 20% slower
