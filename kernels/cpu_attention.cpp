@@ -531,7 +531,6 @@ void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_
 }
 #endif
 
-
 // A pack of consecutive rows that start with the same ``keys`` keys (whole blocks)
 struct Pack {
   int64_t row, rows, keys;
@@ -652,8 +651,8 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 #undef BATCHGEN_GROUP
 }
 
-// The fewest rows of a pack that attend_shared takes under share 1 (on AMX tiles: 2, see decode). Its cost per key is that of
-// all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
+// The fewest rows of a pack that attend_shared takes under share 1 (on AMX tiles: 2, see decode).
+// Its cost per key is that of all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
 // head of a row), and reads the rows' shared blocks from cache after the first (consecutive rows
 // run on one thread). At 12 lanes the two were level or the shared pass up to 20% slower
 // (float32, workload R's 3 query heads per kv head over n=4 samples, and 4 per kv head over n=3),
@@ -727,7 +726,6 @@ int amx_tiles() {
   return 0;
 #endif
 }
-
 
 // q, out: [rows, heads, dim]; caches: [kv_heads, num_blocks, block_size, dim]; tables: [rows,
 // table_width]; ctx: [rows] (keys each row attends to, its own included). window 0: none;

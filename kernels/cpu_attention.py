@@ -46,10 +46,11 @@ def bf16_dot_products() -> bool:
 
 
 def amx_tiles() -> bool:
-    """Whether bfloat16 rows that share their first blocks attend to them on AMX tiles (Intel
-    Sapphire Rapids and later: compiled in where the build targets such a CPU, and granted to the
-    process by Linux), head_dim 64 or 128: the same bf16 products and float32 sums as the dot
-    instruction's pass, 16 keys x 16 query heads x 32 dims per tile instruction."""
+    """Whether bfloat16 attention runs on AMX tiles (Intel Sapphire Rapids and later: compiled in
+    where the build targets such a CPU, and granted to the process by Linux), head_dim 64 or 128:
+    decode rows over the blocks they share, and ``prefill(..., amx=True)``. The same bf16 products
+    and float32 sums as the dot instruction's passes, 16 keys x 16 query heads x 32 dims per tile
+    instruction."""
     return bool(load().amx_tiles())
 
 
@@ -147,14 +148,13 @@ def prefill(
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and table.dtype == torch.int64
     assert table.numel() * block_size >= context_len >= n
+    if amx and q.dtype != torch.bfloat16:
+        return None
+    lib = load()
+    fn = lib.prefill_bf16_amx if amx else lib.prefill_bf16 if q.dtype == torch.bfloat16 else lib.prefill_f32
     q = q.contiguous()
     table = table.contiguous()
     out = torch.empty_like(q)
-    if amx and q.dtype != torch.bfloat16:
-        return None
-    fn = load().prefill_bf16 if q.dtype == torch.bfloat16 else load().prefill_f32
-    if amx:
-        fn = load().prefill_bf16_amx
     rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),
