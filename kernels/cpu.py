@@ -55,6 +55,8 @@ SIGNATURES = {
     # x, w, rows, dim, eps, out, threads
     "rms_norm_f32": (None, [_P, _P, _I, _I, _F, _P, _INT]),
     "rms_norm_bf16": (None, [_P, _P, _I, _I, _F, _P, _INT]),
+    "add_rms_norm_f32": (None, [_P, _P, _P, _I, _I, _F, _P, _P, _INT]),
+    "add_rms_norm_bf16": (None, [_P, _P, _P, _I, _I, _F, _P, _P, _INT]),
     # gate_up, rows, inter, out, threads
     "silu_mul_f32": (None, [_P, _I, _I, _P, _INT]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, _INT]),
@@ -71,6 +73,7 @@ SIGNATURES = {
     "prefill_bf16": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     "prefill_f32": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     "prefill_bf16_amx": (_INT, [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
+    "prefill_bf16_amx_chunks": (_INT, [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
     # w, n, k, out

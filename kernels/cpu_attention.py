@@ -172,3 +172,47 @@ def prefill(
         torch.get_num_threads(),
     )
     return None if rc else out
+
+
+def prefill_chunks(
+    q: torch.Tensor,  # [tokens, heads, dim] bfloat16: the step's flattened batch
+    k_cache: torch.Tensor,  # [kv_heads, num_blocks, block_size, dim]
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # [chunks, width] int64: each chunk's block table, padded
+    starts: torch.Tensor,  # [chunks] int64: each chunk's first row of q
+    lengths: torch.Tensor,  # [chunks] int64: positions in each chunk
+    context_lens: torch.Tensor,  # [chunks] int64: positions each chunk's last one sees
+    scale: float,
+    out: torch.Tensor,  # q's shape, contiguous: each chunk's rows written in place
+) -> bool:
+    """Several bfloat16 prefill chunks on AMX tiles in one call (``prefill(..., amx=True)`` for
+    each, their work items shared by the threads); False, having written nothing, where the tiles
+    are not used or the kernel does not take the shapes."""
+    rows, heads, dim = q.shape
+    kvh, num_blocks, block_size, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous() and out.shape == q.shape
+    assert all(t.dtype == torch.int64 for t in (tables, starts, lengths, context_lens))
+    assert int((starts + lengths).max()) <= rows
+    q, tables = q.contiguous(), tables.contiguous()
+    starts, lengths, context_lens = starts.contiguous(), lengths.contiguous(), context_lens.contiguous()
+    rc = load().prefill_bf16_amx_chunks(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        starts.data_ptr(),
+        lengths.data_ptr(),
+        context_lens.data_ptr(),
+        starts.numel(),
+        heads,
+        kvh,
+        dim,
+        num_blocks,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return rc == 0

@@ -26,6 +26,39 @@ inline float rounded(float x) {  // x as a T would hold it
   return sizeof(T) == 2 ? round_bf16_1(x) : x;
 }
 
+// The sum of x[i]^2 in float32, over 4 x 16 lanes (four independent chains of additions)
+template <typename T>
+inline float sum_squares(const T* x, int64_t dim) {
+  const int64_t full = dim / 64 * 64, sixteens = dim / 16 * 16;
+  v16 a0 = v16{}, a1 = v16{}, a2 = v16{}, a3 = v16{};
+  for (int64_t i = 0; i < full; i += 64) {
+    const v16 v0 = load16(x + i), v1 = load16(x + i + 16), v2 = load16(x + i + 32), v3 = load16(x + i + 48);
+    a0 += v0 * v0;
+    a1 += v1 * v1;
+    a2 += v2 * v2;
+    a3 += v3 * v3;
+  }
+  for (int64_t i = full; i < sixteens; i += 16) {
+    const v16 v = load16(x + i);
+    a0 += v * v;
+  }
+  float ss = hsum((a0 + a1) + (a2 + a3));
+  for (int64_t i = sixteens; i < dim; ++i) ss += load(x + i) * load(x + i);
+  return ss;
+}
+
+// o = w * rounded(x * inv): the normalized row rounded to T before the weight's product
+template <typename T>
+inline void scale_row(const T* x, const T* w, float inv, int64_t dim, T* o) {
+  const int64_t full = dim / 16 * 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    v16 y = load16(x + i) * inv;
+    if constexpr (sizeof(T) == 2) y = round_bf16(y);
+    store16(o + i, load16(w + i) * y);
+  }
+  for (int64_t i = full; i < dim; ++i) store(o + i, load(w + i) * rounded<T>(load(x + i) * inv));
+}
+
 // y = x * rsqrt(mean(x^2) + eps) in float32, rounded to T, times the weight (float32 product,
 // rounded to T): transformers' LlamaRMSNorm.
 template <typename T>
@@ -33,13 +66,26 @@ void rms_norm(const T* x, const T* w, int64_t rows, int64_t dim, float eps, T* o
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
-    T* o = out + r * dim;
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; ++i) ss += load(xr + i) * load(xr + i);
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; ++i) store(o + i, load(w + i) * rounded<T>(load(xr + i) * inv));
+    const float inv = 1.0f / std::sqrt(sum_squares(xr, dim) / static_cast<float>(dim) + eps);
+    scale_row(xr, w, inv, dim, out + r * dim);
+  }
+}
+
+// sum = residual + x (rounded to T, as torch's addition), then out = rms_norm(sum): the residual
+// stream's addition and the next norm in one pass
+template <typename T>
+void add_rms_norm(const T* x, const T* residual, const T* w, int64_t rows, int64_t dim, float eps, T* sum, T* out,
+                  int threads) {
+  const int64_t full = dim / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    const T* rr = residual + r * dim;
+    T* sr = sum + r * dim;
+    for (int64_t i = 0; i < full; i += 16) store16(sr + i, load16(rr + i) + load16(xr + i));
+    for (int64_t i = full; i < dim; ++i) store(sr + i, load(rr + i) + load(xr + i));
+    const float inv = 1.0f / std::sqrt(sum_squares(static_cast<const T*>(sr), dim) / static_cast<float>(dim) + eps);
+    scale_row(static_cast<const T*>(sr), w, inv, dim, out + r * dim);
   }
 }
 
@@ -75,8 +121,21 @@ void rotary(const T* x, int64_t x_stride, const T* cos, const T* sin, int64_t to
     for (int64_t h = 0; h < heads; ++h) {
       const T* xh = x + t * x_stride + h * dim;
       T* o = out + (t * heads + h) * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
+      const int64_t full = half / 16 * 16;
+      for (int64_t i = 0; i < full; i += 16) {
+        const v16 a = load16(xh + i), b = load16(xh + half + i);
+        v16 p1 = a * load16(c + i), p2 = b * load16(s + i);
+        v16 p3 = b * load16(c + half + i), p4 = a * load16(s + half + i);
+        if constexpr (sizeof(T) == 2) {
+          p1 = round_bf16(p1);
+          p2 = round_bf16(p2);
+          p3 = round_bf16(p3);
+          p4 = round_bf16(p4);
+        }
+        store16(o + i, p1 - p2);
+        store16(o + half + i, p3 + p4);
+      }
+      for (int64_t i = full; i < half; ++i) {
         const float a = load(xh + i), b = load(xh + half + i);
         store(o + i, rounded<T>(a * load(c + i)) + rounded<T>(-b * load(s + i)));
         store(o + half + i, rounded<T>(b * load(c + half + i)) + rounded<T>(a * load(s + half + i)));
@@ -139,6 +198,14 @@ void rms_norm_f32(const float* x, const float* w, int64_t rows, int64_t dim, flo
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t dim, float eps, uint16_t* out,
                    int threads) {
   rms_norm<uint16_t>(x, w, rows, dim, eps, out, threads);
+}
+void add_rms_norm_f32(const float* x, const float* residual, const float* w, int64_t rows, int64_t dim, float eps,
+                      float* sum, float* out, int threads) {
+  add_rms_norm<float>(x, residual, w, rows, dim, eps, sum, out, threads);
+}
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* w, int64_t rows, int64_t dim,
+                       float eps, uint16_t* sum, uint16_t* out, int threads) {
+  add_rms_norm<uint16_t>(x, residual, w, rows, dim, eps, sum, out, threads);
 }
 void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out, int threads) {
   silu_mul<float>(gate_up, rows, inter, out, threads);

@@ -1,5 +1,5 @@
-"""The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm,
-SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
+"""The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm
+(alone, or after the residual addition), SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
 temporaries, with torch's rounding points kept in bfloat16; the KV-cache store (``kv_write``) and
 the copy-on-write block copies and zeroing of new blocks (``copy_blocks``, ``zero_blocks``).
 ``batchgen.model.layers`` and ``batchgen.model.attention`` use them on the CPU where the library
@@ -42,6 +42,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(residual + x)`` and ``residual + x`` (the sum rounded to the dtype, as torch's
+    addition) in one pass: the decoder's residual addition and the next layer's norm."""
+    x, residual = x.contiguous(), residual.contiguous()
+    dim = x.shape[-1]
+    total = torch.empty_like(x)
+    out = torch.empty_like(x)
+    fn = getattr(load(), "add_rms_norm_" + DTYPE_SUFFIX[x.dtype])
+    fn(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        total.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out, total
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -333,42 +333,67 @@ int prefill_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
                        threads);
 }
 
-// A bfloat16 chunk on AMX tiles (amx_attend): one work item per kv head and block of 16 / group
-// positions (their query heads are the tile's lanes, each position seeing the keys up to its own),
-// the latest positions first. Every item reads its keys and values again (from cache after the
-// first), so this is for short chunks: the engine keeps torch's flash kernel, on AMX tiles too, for
-// long ones. Returns 1 where it does not run (no AMX, head_dim other than 64 / 128, more than 16
-// query heads per kv head, blocks of other than a multiple of 16 keys).
-int prefill_bf16_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-                     int64_t n, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
-                     int64_t block_size, float scale, uint16_t* out, int threads) {
+// bfloat16 chunks on AMX tiles (amx_attend), every chunk of a layer in one call: chunk c is the
+// ns[c] query positions from row starts[c] of q and out ([tokens, heads, dim]), the last of its
+// ctxs[c] positions, over the block table in row c of ``tables`` (``table_width`` wide). One work
+// item per kv head and block of 16 / group positions of a chunk (their query heads are the tile's
+// lanes, each position seeing the keys up to its own), the items with the most keys first. Every
+// item reads its keys and values again (from cache after the first), so this is for short chunks:
+// the engine keeps torch's flash kernel, on AMX tiles too, for long ones. Returns 1 where it does
+// not run (no AMX, head_dim other than 64 / 128, more than 16 query heads per kv head, blocks of
+// other than a multiple of 16 keys, a chunk longer than its context).
+int prefill_bf16_amx_chunks(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                            const int64_t* tables, int64_t table_width, const int64_t* starts, const int64_t* ns,
+                            const int64_t* ctxs, int64_t chunks, int64_t heads, int64_t kv_heads, int64_t dim,
+                            int64_t num_blocks, int64_t block_size, float scale, uint16_t* out, int threads) {
 #ifdef BATCHGEN_AMX
   const int64_t group = heads / kv_heads;
   if (!amx_permitted() || heads % kv_heads || group > kAmxLanes || block_size % 16 || (dim != 64 && dim != 128))
     return 1;
   const int64_t per = kAmxLanes / group;  // positions per item
-  const int64_t blocks = (n + per - 1) / per;
+  struct Item {
+    int64_t chunk, p0, keys;
+  };
+  std::vector<Item> items;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (ns[c] < 1 || ns[c] > ctxs[c]) return 1;
+    for (int64_t p0 = 0; p0 < ns[c]; p0 += per)
+      items.push_back({c, p0, ctxs[c] - ns[c] + std::min(p0 + per, ns[c])});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  const int64_t total = static_cast<int64_t>(items.size()) * kv_heads;
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
-  for (int64_t it = 0; it < blocks * kv_heads; ++it) {
-    const int64_t p0 = (blocks - 1 - it / kv_heads) * per, kvh = it % kv_heads;
-    const int64_t rows = std::min(per, n - p0);
+  for (int64_t it = 0; it < total; ++it) {
+    const Item& item = items[it / kv_heads];
+    const int64_t c = item.chunk, kvh = it % kv_heads, p0 = item.p0;
+    const int64_t rows = std::min(per, ns[c] - p0);
     int64_t limits[kAmxLanes];
-    for (int64_t r = 0; r < rows; ++r) limits[r] = ctx - n + p0 + r + 1;
-    const uint16_t* qp = q + p0 * heads * dim;
-    uint16_t* op = out + p0 * heads * dim;
+    for (int64_t r = 0; r < rows; ++r) limits[r] = ctxs[c] - ns[c] + p0 + r + 1;
+    const int64_t row0 = (starts[c] + p0) * heads * dim;
+    const int64_t* table = tables + c * table_width;
     if (dim == 64)
-      amx_attend<4>(qp, heads, k_cache, v_cache, table, limits[rows - 1], rows, group, num_blocks, block_size, kvh,
-                    scale, nullptr, limits, nullptr, op, true);
+      amx_attend<4>(q + row0, heads, k_cache, v_cache, table, item.keys, rows, group, num_blocks, block_size, kvh,
+                    scale, nullptr, limits, nullptr, out + row0, true);
     else
-      amx_attend<8>(qp, heads, k_cache, v_cache, table, limits[rows - 1], rows, group, num_blocks, block_size, kvh,
-                    scale, nullptr, limits, nullptr, op, true);
+      amx_attend<8>(q + row0, heads, k_cache, v_cache, table, item.keys, rows, group, num_blocks, block_size, kvh,
+                    scale, nullptr, limits, nullptr, out + row0, true);
   }
   return 0;
 #else
-  (void)q, (void)k_cache, (void)v_cache, (void)table, (void)n, (void)ctx, (void)heads, (void)kv_heads, (void)dim;
-  (void)num_blocks, (void)block_size, (void)scale, (void)out, (void)threads;
+  (void)q, (void)k_cache, (void)v_cache, (void)tables, (void)table_width, (void)starts, (void)ns, (void)ctxs;
+  (void)chunks, (void)heads, (void)kv_heads, (void)dim, (void)num_blocks, (void)block_size, (void)scale, (void)out;
+  (void)threads;
   return 1;
 #endif
+}
+
+// One chunk on AMX tiles: prefill_bf16_amx_chunks with one chunk of q's n positions
+int prefill_bf16_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                     int64_t n, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
+                     int64_t block_size, float scale, uint16_t* out, int threads) {
+  const int64_t start = 0;
+  return prefill_bf16_amx_chunks(q, k_cache, v_cache, table, 0, &start, &n, &ctx, 1, heads, kv_heads, dim,
+                                 num_blocks, block_size, scale, out, threads);
 }
 
 int prefill_f32(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t n,

@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace batchgen {
 
 inline float load(const float* p) { return *p; }
@@ -56,6 +60,18 @@ inline v16 load16(const uint16_t* p) {
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The CPU's conversion instruction: round to nearest even as torch's, NaN stays NaN; a float32
+// denormal (below 1.2e-38, never an activation or a softmax weight here) becomes zero.
+inline v16 round_bf16(v16 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+inline void store16(uint16_t* p, v16 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+}
+#else
 // x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN
 inline v16 round_bf16(v16 x) {
   u32x16 bits = reinterpret_cast<u32x16&>(x);
@@ -69,6 +85,7 @@ inline void store16(uint16_t* p, v16 x) {
   const u16x16 h = __builtin_convertvector(reinterpret_cast<const u32x16&>(r) >> 16, u16x16);
   std::memcpy(p, &h, sizeof h);
 }
+#endif
 
 // Horizontal sum and maximum by halving shuffles (four steps, not fifteen dependent scalar ones).
 inline v16 fold(v16 x, int step) {

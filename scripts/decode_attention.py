@@ -33,6 +33,7 @@ from kernels import cpu_attention
 SHAPES = {  # kv heads, heads, head_dim, layers, prompts, prompt lengths, n
     "R": (3, 9, 64, 30, 32, (32, 256), 4),
     "S": (2, 8, 64, 8, 16, (64, 256), 8),
+    "P": (2, 8, 64, 8, 1, (512, 512), 64),
 }
 MODES = ("always", True, False)
 

@@ -190,11 +190,15 @@ class TorchAttention:
         nd = meta.num_decode
         if nd:
             self._decode(q[:nd], k_cache, v_cache, meta, layer, out[:nd])
-        for chunk in meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
+        self._prefills(q, k_cache, v_cache, meta.prefills, layer, out)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def _prefills(self, q, k_cache, v_cache, chunks, layer, out):
+        """Attention of each prefill chunk, written into its rows of ``out``."""
+        for chunk in chunks:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, layer)
 
     def _decode(self, q, k_cache, v_cache, meta, layer, out_rows):
         """Attention of the decode rows ``q`` [nd, heads, d], written into ``out_rows``."""
@@ -302,11 +306,45 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         super().__init__()
-        from kernels.cpu_attention import load, paged_decode, prefill  # noqa: PLC0415
+        from kernels.cpu_attention import load, paged_decode, prefill, prefill_chunks  # noqa: PLC0415
 
         load()  # builds the library on first use; KernelUnavailable where it cannot
         self._paged_decode = paged_decode
         self._prefill_kernel = prefill
+        self._prefill_chunks = prefill_chunks
+        self._batched: tuple | None = None  # (the step's chunks, their AMX batch, the others)
+
+    def _prefills(self, q, k_cache, v_cache, chunks, layer, out):
+        """bfloat16 chunks on AMX tiles (``AMX_PREFILL_MAX_KV``) all in one kernel call per layer,
+        where a step has several (a batch of prompts after a cached prefix: 64 chunks of 32 tokens
+        after 512 cached: 50 -> 40 ms over bench-56m's 8 layers); the others one at a time."""
+        if len(chunks) > 1 and q.dtype == torch.bfloat16 and _plain_causal(layer) and utils.has_amx():
+            batch, others = self._amx_batch(chunks, q.shape[-1])
+            if batch is not None:
+                tables, starts, lengths, contexts = batch
+                if self._prefill_chunks(q, k_cache, v_cache, tables, starts, lengths, contexts, layer.scale, out):
+                    chunks = others
+        super()._prefills(q, k_cache, v_cache, chunks, layer, out)
+
+    def _amx_batch(self, chunks, head_dim):
+        """The chunks that run on AMX tiles as the batch ``prefill_chunks`` takes (block tables,
+        first rows, lengths, context lengths; None for fewer than two), and the rest; built once a
+        step, for its first layer."""
+        if self._batched is None or self._batched[0] is not chunks:
+            tiles = [c for c in chunks if c.context_len * head_dim <= self.AMX_PREFILL_MAX_KV]
+            others = [c for c in chunks if c.context_len * head_dim > self.AMX_PREFILL_MAX_KV]
+            batch = None
+            if len(tiles) > 1:
+                width = max(c.block_table.numel() for c in tiles)
+                tables = torch.zeros((len(tiles), width), dtype=torch.int64)
+                for i, c in enumerate(tiles):
+                    tables[i, : c.block_table.numel()] = c.block_table
+                columns = torch.tensor(
+                    [[c.token_start, c.num_tokens, c.context_len] for c in tiles], dtype=torch.int64
+                ).T.contiguous()
+                batch = (tables, columns[0], columns[1], columns[2])
+            self._batched = (chunks, batch, others if batch is not None else chunks)
+        return self._batched[1], self._batched[2]
 
     def _prefill(self, q, k_cache, v_cache, chunk, layer):
         """Chunks on the compiled prefill kernel (bf16 on the dot instruction: torch's flash kernel

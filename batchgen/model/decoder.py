@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from batchgen.model import layers, mxfp4
 from batchgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from batchgen.model.families import family_of
-from batchgen.model.layers import ACTIVATIONS, Rotary, apply_rotary, rms_norm
+from batchgen.model.layers import ACTIVATIONS, Rotary, add_rms_norm, apply_rotary, rms_norm
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.loader import ModelLoadError, iter_weights
 from batchgen.model.moe import (
@@ -293,6 +293,13 @@ class DecoderModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else rms_norm(x, weight, self.eps, self.family.norm_offset)
 
+    def _add_norm(
+        self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + delta), residual + delta)``: a sublayer's output added to the
+        residual stream and the norm of the next sublayer's input, in one pass where it can."""
+        return add_rms_norm(delta, residual, weight, self.eps, self.family.norm_offset)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -311,11 +318,15 @@ class DecoderModel:
             x = x * self.embed_scale
         tables = {id(r): r(positions, rope_lengths) for r in self._rotaries.values()}
         t = x.shape[0]
+        residual, delta = x, None  # the residual stream is residual + delta once a layer has run
         for i, lw in enumerate(self.layers):
             cos, sin = tables[id(lw.rotary)]
             attn_in, attn_out, mlp_in, mlp_out = lw.norms
-            residual = x
-            qkv = lw.qkv(self._norm(x, attn_in))
+            if delta is None:
+                normed = self._norm(x, attn_in)
+            else:
+                normed, residual = self._add_norm(delta, residual, attn_in)
+            qkv = lw.qkv(normed)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = qkv[:, : h * d], qkv[:, h * d : (h + kvh) * d]
@@ -329,10 +340,12 @@ class DecoderModel:
                 qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
                 q, k = qk[:, :h], qk[:, h:]
             o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, lw.attn)
-            x = residual + self._norm(lw.o_proj(o.reshape(t, h * d)), attn_out)
-            residual = x
-            x = residual + self._norm(lw.mlp(self._norm(x, mlp_in)), mlp_out)
-        return self._norm(x, self.norm)
+            delta = self._norm(lw.o_proj(o.reshape(t, h * d)), attn_out)
+            normed, residual = self._add_norm(delta, residual, mlp_in)
+            delta = self._norm(lw.mlp(normed), mlp_out)
+        if delta is None:
+            return self._norm(x, self.norm)
+        return self._add_norm(delta, residual, self.norm)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return weight * y.to(dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``: the residual stream's addition and the norm after
+    it, in one pass on the compiled kernel where it runs; without a weight, the sum twice."""
+    if weight is None:
+        total = residual + x
+        return total, total
+    if not offset and (ops := fused_cpu_ops(x, residual, weight)) is not None:
+        return ops.add_rms_norm(x, residual, weight, eps)
+    total = residual + x
+    return rms_norm(total, weight, eps, offset), total
+
+
 def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The RoPE settings of the config (of one layer type where they differ per layer type)."""
     params = getattr(config, "rope_parameters", None)

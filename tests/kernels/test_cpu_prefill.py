@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from batchgen import LLM, SamplingParams, utils
 from batchgen.model.attention import CpuAttention, TorchAttention
 from kernels import cpu
-from kernels.cpu_attention import amx_tiles, prefill
+from kernels.cpu_attention import amx_tiles, prefill, prefill_chunks
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
 if cpu.compiler() is None:
@@ -155,6 +155,38 @@ def test_each_query_sees_exactly_its_own_prefix(path):
     assert (out[:, :, 1:] == 0).all()
 
 
+@pytest.mark.skipif(not amx_tiles(), reason="no AMX-BF16: chunks run one at a time")
+def test_chunks_in_one_call_match_each_alone():
+    """Chunks of several sequences in one call (the engine's batch of prompts after a cached prefix,
+    and others from the start) against each chunk alone on the same tiles: the same outputs bit for
+    bit in their rows of the batch, and the rows of no chunk (decode rows) left as they were."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kvh, d, bs = 8, 2, 64, 16
+    shapes = [(32, 544), (7, 7), (1, 300), (50, 50), (16, 80)]  # (positions, context)
+    width = max(-(-ctx // bs) for _, ctx in shapes)
+    num_blocks = sum(-(-ctx // bs) for _, ctx in shapes) + 2
+    kc = torch.randn((kvh, num_blocks, bs, d), generator=gen).to(torch.bfloat16)
+    vc = torch.randn((kvh, num_blocks, bs, d), generator=gen).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, starts, used, row = torch.zeros((len(shapes), width), dtype=torch.int64), [], 0, 3  # 3 decode rows first
+    for i, (n, ctx) in enumerate(shapes):
+        blocks = -(-ctx // bs)
+        tables[i, :blocks] = order[used : used + blocks]
+        used += blocks
+        starts.append(row)
+        row += n
+    q = (torch.randn((row, heads, d), generator=gen) * 2).to(torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    n_of = torch.tensor([n for n, _ in shapes])
+    ctx_of = torch.tensor([ctx for _, ctx in shapes])
+    assert prefill_chunks(q, kc, vc, tables, torch.tensor(starts), n_of, ctx_of, d**-0.5, out)
+    for i, (n, ctx) in enumerate(shapes):
+        rows = slice(starts[i], starts[i] + n)
+        alone = prefill(q[rows], kc, vc, tables[i, : -(-ctx // bs)], ctx, d**-0.5, amx=True)
+        assert torch.equal(out[rows], alone), i
+    assert (out[:3] == 7.0).all()
+
+
 def test_prefill_declines_shapes_it_does_not_take():
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
@@ -181,13 +213,17 @@ def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeyp
     import kernels.cpu_attention as ca
 
     dtype, amx = path
-    calls = []
-    kernel = ca.prefill
+    calls, batches = [], []
+    kernel, batched = ca.prefill, ca.prefill_chunks
 
     def counted(*args, **kwargs):
         if kwargs.get("amx", False) == amx:
             calls.append(args[0].shape[0])
         return kernel(*args, **kwargs)
+
+    def counted_batch(*args):
+        batches.append(args[3].shape[0])  # chunks in the call
+        return batched(*args)
 
     shared = [1] + [(7 * i) % 300 + 3 for i in range(140)]
     prompts = [shared + [5, 6, 7], shared + [9], [1, 2, 3, 4, 5, 6], list(range(3, 200))]
@@ -205,14 +241,19 @@ def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeyp
         return llm.generate(prompts, params, use_tqdm=False)
 
     monkeypatch.setattr(ca, "prefill", counted)
+    monkeypatch.setattr(ca, "prefill_chunks", counted_batch)
     if not amx:  # without AMX, bf16 runs on the dot instruction's kernel
         monkeypatch.setattr(utils, "has_amx", lambda: False)
     ours = run()
     assert calls and max(calls) > 1
+    if amx:  # steps with several prompts' chunks ran them in one call
+        assert batches and max(batches) > 1
     monkeypatch.setattr(CpuAttention, "_prefill", TorchAttention._prefill)
+    monkeypatch.setattr(CpuAttention, "_prefills", TorchAttention._prefills)
     calls.clear()
+    batches.clear()
     theirs = run()
-    assert not calls
+    assert not calls and not batches
     tie = 0.05 if dtype == torch.bfloat16 else 0.0
     diffs = []
     for a, b in zip(ours, theirs, strict=True):

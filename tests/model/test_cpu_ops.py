@@ -55,13 +55,31 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, dim", [(1, 64), (7, 576), (300, 512)])  # 300 x 512: threaded
+@pytest.mark.parametrize("rows, dim", [(1, 64), (7, 576), (5, 72), (300, 512)])  # 72: a tail; 300 x 512: threaded
 def test_rms_norm(torch_code, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows + dim)
     x = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
     w = (1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype)
     assert layers.fused_cpu_ops(x, w)
     assert_close(rms_norm(x, w, 1e-6), torch_code(rms_norm, x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 64), (7, 576), (5, 72), (300, 512)])
+def test_residual_addition_then_rms_norm(torch_code, dtype, rows, dim):
+    """The decoder's residual addition fused with the next norm, against torch's addition then
+    the norm: the sum as the new residual, and its norm."""
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
+    residual = (20 * torch.randn(rows, dim, generator=gen)).to(dtype)  # the sum rounds in bf16
+    w = (1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype)
+    normed, total = layers.add_rms_norm(x, residual, w, 1e-6)
+    want_normed, want_total = torch_code(layers.add_rms_norm, x, residual, w, 1e-6)
+    assert torch.equal(total, residual + x) and torch.equal(want_total, residual + x)
+    assert_close(normed, want_normed)
+    # without a weight (a family with no norm there): the sum, twice
+    plain, total = layers.add_rms_norm(x, residual, None, 1e-6)
+    assert plain is total and torch.equal(total, residual + x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,9 +93,10 @@ def test_swiglu(torch_code, dtype, rows, inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 200])
-def test_rotary_on_a_view_of_the_fused_qkv(torch_code, dtype, tokens):
+@pytest.mark.parametrize("d", [64, 40])  # 40: a tail past the 16 lanes
+def test_rotary_on_a_view_of_the_fused_qkv(torch_code, dtype, tokens, d):
     gen = torch.Generator().manual_seed(tokens)
-    h, kvh, d = 9, 3, 64
+    h, kvh = 9, 3
     qkv = torch.randn(tokens, (h + 2 * kvh) * d, generator=gen).to(dtype)
     qk = qkv[:, : (h + kvh) * d].view(tokens, h + kvh, d)  # strided over tokens
     angles = torch.rand(tokens, d // 2, generator=gen) * 100
