@@ -78,6 +78,25 @@ inline void transpose16x16(__m512i (&r)[16]) {
 }
 
 
+// S^T = K Q^T for 16 keys (rows of ``kb``, head_dim 32 * P) into ``dst`` (16 x 16 floats): tile C
+// the product, tile K the keys, tiles 2 .. 2 + P - 1 the query pieces (loaded by the caller). A
+// macro: the tile intrinsics take their tile numbers as literals.
+#define BATCHGEN_SCORE_TILE(C, K, P, kb, dst) \
+  do {                                        \
+    _tile_zero(C);                            \
+    _tile_loadd(K, (kb), 64 * (P));           \
+    _tile_dpbf16ps(C, K, 2);                  \
+    _tile_loadd(K, (kb) + 32, 64 * (P));      \
+    _tile_dpbf16ps(C, K, 3);                  \
+    if constexpr ((P) == 4) {                 \
+      _tile_loadd(K, (kb) + 64, 64 * (P));    \
+      _tile_dpbf16ps(C, K, 4);                \
+      _tile_loadd(K, (kb) + 96, 64 * (P));    \
+      _tile_dpbf16ps(C, K, 5);                \
+    }                                         \
+    _tile_stored(C, (dst), 64);               \
+  } while (0)
+
 // The lanes of amx_attend: query head g of row r is lane r * group + g, head kv_head * group + g.
 constexpr int kAmxLanes = 16;
 
@@ -146,7 +165,7 @@ void amx_attend(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const
   const int64_t head_base = kv_head * num_blocks * block_size * D;
   auto offset = [&](int64_t pos) { return head_base + (table[pos / block_size] * block_size + pos % block_size) * D; };
   configure_full_tiles();
-  // phase A. Tiles: 0 the scores, 1 the keys, 2 .. 2 + P - 1 the query pieces
+  // phase A. Tiles: 0 / 6 the scores, 1 / 7 the keys, 2 .. 2 + P - 1 the query pieces
   _tile_loadd(2, &qp[0][0], 64);
   _tile_loadd(3, &qp[16][0], 64);
   if constexpr (P == 4) {
@@ -154,28 +173,26 @@ void amx_attend(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const
     _tile_loadd(5, &qp[48][0], 64);
   }
   const v16 minus_inf = v16{} - INFINITY;
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    alignas(64) float s[32][kAmxLanes];
+  // the scores of chunk ch (32 keys x 16 lanes) into s: keys 0-15 on tiles 0 / 1, 16-31 on 6 / 7
+  auto scores = [&](int64_t ch, float (*s)[kAmxLanes]) {
     for (int g = 0; g < 2; ++g) {
       const int64_t pos = 32 * ch + 16 * g;
       const int64_t valid = std::min<int64_t>(std::max<int64_t>(keys - pos, 0), 16);
       if (valid > 0) {
-        const uint16_t* kb = k_cache + offset(pos);
-        _tile_zero(0);
-        _tile_loadd(1, kb, D * 2);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_loadd(1, kb + 32, D * 2);
-        _tile_dpbf16ps(0, 1, 3);
-        if constexpr (P == 4) {
-          _tile_loadd(1, kb + 64, D * 2);
-          _tile_dpbf16ps(0, 1, 4);
-          _tile_loadd(1, kb + 96, D * 2);
-          _tile_dpbf16ps(0, 1, 5);
-        }
-        _tile_stored(0, s[16 * g], 64);
+        if (g == 0)
+          BATCHGEN_SCORE_TILE(0, 1, P, k_cache + offset(pos), s[0]);
+        else
+          BATCHGEN_SCORE_TILE(6, 7, P, k_cache + offset(pos), s[16]);
       }
       for (int64_t k = valid; k < 16; ++k) std::memcpy(s[16 * g + k], &minus_inf, sizeof minus_inf);
     }
+  };
+  // Chunk ch + 1's tile products are issued before chunk ch's softmax, which runs while they do
+  alignas(64) float buffers[2][32][kAmxLanes];
+  scores(0, buffers[0]);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    if (ch + 1 < chunks) scores(ch + 1, buffers[(ch + 1) & 1]);
+    float(*s)[kAmxLanes] = buffers[ch & 1];
     v16 e[32];
     v16 top = minus_inf;
     const bool masked = 32 * ch + 32 > fewest;
@@ -261,23 +278,29 @@ void amx_attend(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const
     _tile_stored(7, part[3], 64);
   }
   _tile_release();
-  // tile 2c + s of a half, column i: dim 32c + 8 (i / 4) + 4s + i % 4 of that half
-  auto sum_at = [&](int64_t lane, int d) {
-    const int x = d % 64;
-    return sums[d / 64][2 * (x / 32) + (x / 4) % 2][lane][4 * ((x % 32) / 8) + x % 4];
-  };
+  // tile 2c + s of a half, column i: dim 32c + 8 (i / 4) + 4s + i % 4 of that half: dims 32c .. 32c + 15
+  // are quarters 0, 1 of tiles 2c, 2c + 1 interleaved, dims 32c + 16 .. 32c + 31 their quarters 2, 3
+  static const i32x16 low = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  static const i32x16 high = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t lane = r * group + g, at = r * heads + kv_head * group + g;
+      v16 x[N];  // the lane's sums in the order of dims
+      for (int half = 0; half < D / 64; ++half)
+        for (int c = 0; c < 2; ++c) {
+          const v16 a = load16(sums[half][2 * c][lane]), b = load16(sums[half][2 * c + 1][lane]);
+          x[4 * half + 2 * c] = __builtin_shuffle(a, b, low);
+          x[4 * half + 2 * c + 1] = __builtin_shuffle(a, b, high);
+        }
       if (state) {
         float* st = state + at * (D + 2);
         st[0] = m[lane];
         st[1] = l[lane];
-        for (int d = 0; d < D; ++d) st[2 + d] = sum_at(lane, d);
+        for (int j = 0; j < N; ++j) store16(st + 2 + 16 * j, x[j]);
       }
       if (out) {
         const float inv = l[lane] > 0 ? 1.0f / l[lane] : 0.0f;
-        for (int d = 0; d < D; ++d) store(out + at * D + d, sum_at(lane, d) * inv);
+        for (int j = 0; j < N; ++j) store16(out + at * D + 16 * j, x[j] * inv);
       }
     }
 }
