@@ -19,7 +19,15 @@ import torch
 
 from kernels.cpu import KernelUnavailable, load
 
-__all__ = ["KernelUnavailable", "amx_tiles", "bf16_dot_products", "paged_decode", "prefill", "supports"]
+__all__ = [
+    "KernelUnavailable",
+    "amx_tiles",
+    "bf16_dot_products",
+    "paged_decode",
+    "prefill",
+    "prefill_chunks",
+    "supports",
+]
 
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 32, 256, 256  # the kernel's limits (kMaxGroup, kMaxDim, kMaxBlock)
 _DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}

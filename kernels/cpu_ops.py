@@ -1,7 +1,8 @@
 """The decoder layer's elementwise steps on the compiled CPU kernel (``cpu_ops.cpp``): RMSNorm
-(alone, or after the residual addition), SwiGLU and rotary embeddings, one pass each instead of torch's chains of operators and
-temporaries, with torch's rounding points kept in bfloat16; the KV-cache store (``kv_write``) and
-the copy-on-write block copies and zeroing of new blocks (``copy_blocks``, ``zero_blocks``).
+(alone, or after the residual addition), SwiGLU and rotary embeddings, one pass each instead of
+torch's chains of operators and temporaries, with torch's rounding points kept in bfloat16; the
+KV-cache store (``kv_write``) and the copy-on-write block copies and zeroing of new blocks
+(``copy_blocks``, ``zero_blocks``).
 ``batchgen.model.layers`` and ``batchgen.model.attention`` use them on the CPU where the library
 builds (``available``); their torch code is the reference and the fallback."""
 

@@ -331,8 +331,10 @@ class CpuAttention(TorchAttention):
         first rows, lengths, context lengths; None for fewer than two), and the rest; built once a
         step, for its first layer."""
         if self._batched is None or self._batched[0] is not chunks:
-            tiles = [c for c in chunks if c.context_len * head_dim <= self.AMX_PREFILL_MAX_KV]
-            others = [c for c in chunks if c.context_len * head_dim > self.AMX_PREFILL_MAX_KV]
+            tiles: list[PrefillChunk] = []
+            others: list[PrefillChunk] = []
+            for c in chunks:
+                (tiles if c.context_len * head_dim <= self.AMX_PREFILL_MAX_KV else others).append(c)
             batch = None
             if len(tiles) > 1:
                 width = max(c.block_table.numel() for c in tiles)
