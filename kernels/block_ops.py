@@ -13,9 +13,9 @@ from kernels.swap import swap_blocks  # noqa: F401 - re-exported
 @triton.jit
 def _copy_blocks_kernel(C, SRC, DST, stride_plane, stride_block, N: tl.constexpr, CHUNK: tl.constexpr):
     pair = tl.program_id(0)
-    plane = tl.program_id(1)
-    src = tl.load(SRC + pair)
-    dst = tl.load(DST + pair)
+    plane = tl.program_id(1).to(tl.int64)  # 64-bit offsets: the whole pool passes 2**31 elements
+    src = tl.load(SRC + pair).to(tl.int64)
+    dst = tl.load(DST + pair).to(tl.int64)
     base = C + plane * stride_plane
     for start in range(0, N, CHUNK):
         offs = start + tl.arange(0, CHUNK)

@@ -25,9 +25,9 @@ def _write_kv_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(SLOTS + t)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a layer's cache can pass 2**31 elements
+    slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, DP)
         m = offs < D

@@ -14,6 +14,7 @@ merges: the flash-decoding layout for long contexts with few sequences.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -50,6 +51,9 @@ def _attn_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
     BS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -59,7 +63,7 @@ def _attn_kernel(
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(CTX + t)
-    row = tl.load(ROWS + t)
+    row = tl.load(ROWS + t).to(tl.int64)
     nblocks = tl.cdiv(ctx, BS)
     first = sp * blocks_per_split
     last = tl.minimum(nblocks, first + blocks_per_split)
@@ -68,14 +72,20 @@ def _attn_kernel(
 
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, DP)
-    offs_s = tl.arange(0, BS)
+    offs_k = tl.arange(0, BLOCKS * BS)  # the keys of BLOCKS consecutive blocks, one tile
+    blk = offs_k // BS
+    slot = offs_k % BS
     gmask = offs_g < G
     dmask = offs_d < D
     q = tl.load(
         Q + t * stride_qt + (kh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
         mask=gmask[:, None] & dmask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if not USE_DOT:
+        q = q.to(tl.float32)
+    # 64-bit offsets: one layer's cache can hold more than 2**31 elements
+    base = kh.to(tl.int64) * stride_ch
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -87,17 +97,24 @@ def _attn_kernel(
         m_i = tl.where(first_split, sink, m_i)
         l_i = tl.where(first_split, 1.0, l_i)
     acc = tl.zeros([GP, DP], tl.float32)
-    for j in range(first, last):
-        bid = tl.load(BT + row * stride_bt + j)
-        pos = j * BS + offs_s
-        valid = pos < ctx
+    for j in range(first, last, BLOCKS):
+        jb = j + blk
+        bid = tl.load(BT + row * stride_bt + jb, mask=jb < last, other=0).to(tl.int64)
+        pos = jb * BS + slot
+        valid = (jb < last) & (pos < ctx)
         if USE_WINDOW:
             valid = valid & (pos > ctx - 1 - window)
-        off = kh * stride_ch + bid * stride_cb + offs_s[:, None] * stride_cs + offs_d[None, :]
+        off = base + bid[:, None] * stride_cb + slot[:, None] * stride_cs + offs_d[None, :]
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(KC + off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(VC + off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        k = tl.load(KC + off, mask=kv_mask, other=0.0)
+        v = tl.load(VC + off, mask=kv_mask, other=0.0)
+        if USE_DOT:  # tensor cores: heads padded to 16 rows, float32 accumulation
+            if DOT_F32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         if USE_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (portable to the interpreter)
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * (s / softcap))) - 1.0)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -106,7 +123,14 @@ def _attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            if DOT_F32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     heads = kh * G + offs_g
@@ -160,6 +184,11 @@ def _reduce_kernel(
     tl.store(OUT + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
 
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+DEFAULT_KEYS_PER_STEP = 64
 DEFAULT_NUM_SMS = 132  # streaming multiprocessors of an H100 / H200, when no device is at hand
 
 
@@ -196,7 +225,13 @@ def paged_attention(
     out: torch.Tensor | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [H] float32: one logit per query head
+    keys_per_step: int = DEFAULT_KEYS_PER_STEP,
+    use_dot: bool = True,
 ) -> torch.Tensor:
+    """``keys_per_step``: keys (whole blocks, at least one) each program loads and scores per
+    step of its loop. ``use_dot``: scores and the weighted sum of values through ``tl.dot`` (tensor
+    cores, query heads padded to 16 rows; float32 caches in full float32 precision), else through
+    elementwise products and sums."""
     t, h, d = q.shape
     kvh, _, bs, dc = k_cache.shape
     if v_cache.shape != k_cache.shape or dc != d or h % kvh:
@@ -213,21 +248,34 @@ def paged_attention(
     if t == 0:
         return out
     g = h // kvh
-    splits = num_splits or choose_splits(t, kvh, max_context, bs, device_num_sms(q.device))
+    # a sliding window bounds the keys any token reads, whatever the context
+    span = max_context if window is None else min(max_context, window + bs)
+    splits = num_splits or choose_splits(t, kvh, span, bs, device_num_sms(q.device))
     per_split = triton.cdiv(triton.cdiv(max(max_context, 1), bs), splits)
+    blocks = max(1, keys_per_step // bs)
+    use_dot = use_dot and d >= 16
+    if use_dot:
+        blocks = max(blocks, 16 // bs)  # tl.dot's smallest tile is 16 keys
     common = dict(
         G=g,
-        GP=max(triton.next_power_of_2(g), 1),
+        GP=max(triton.next_power_of_2(g), 16 if use_dot else 1),
         D=d,
         DP=triton.next_power_of_2(d),
         BS=bs,
+        BLOCKS=blocks,
+        USE_DOT=use_dot,
+        # float32 caches keep full precision (no tf32); so do bf16 ones under Triton's interpreter,
+        # whose bf16 tl.dot returns garbage (Triton 3.9)
+        DOT_F32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting()),
         NUM_SPLITS=splits,
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
     )
     if sinks is not None and (sinks.shape != (h,) or sinks.dtype != torch.float32):
-        raise ValueError(f"paged_attention: sinks must be float32 [{h}], got {sinks.dtype} {tuple(sinks.shape)}")
+        raise ValueError(
+            f"paged_attention: sinks must be float32 [{h}], got {sinks.dtype} {tuple(sinks.shape)}"
+        )
     if splits > 1:
         m_part = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)

@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -68,11 +69,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_attention(bw: float, rows: list) -> None:
-    import triton.testing
-
-    from kernels.paged_attention import paged_attention
-    from kernels.reference import paged_attention_ref
-
     gemma = {"window": 4096, "softcap": 50.0}  # Gemma 2's settings
     for name, seqs, ctx_len, kvh, h, d, bs, opts in [
         ("decode 256 x 2k", 256, 2048, 8, 32, 64, 16, {}),
@@ -80,45 +76,80 @@ def check_attention(bw: float, rows: list) -> None:
         ("decode 64 x 4k, d128", 64, 4096, 8, 32, 128, 32, {}),
         ("decode 64 x 8k, window 4k + soft-cap 50 (Gemma 2)", 64, 8192, 8, 16, 256, 16, gemma),
         ("decode 4 x 32k split-KV, sinks + window 128 (gpt-oss)", 4, 32768, 8, 64, 64, 16, {"window": 128}),
+        ("prefill 4 x 2k tokens (K/V read once at least)", 4, 2048, 8, 32, 128, 16, {}),
     ]:
-        nb_per = cdiv(ctx_len, bs)
-        num_blocks = seqs * nb_per + 8
-        dt = torch.bfloat16
-        kc = torch.randn((kvh, num_blocks, bs, d), device="cuda", dtype=dt)
-        vc = torch.randn_like(kc)
-        perm = torch.randperm(num_blocks - 8, device="cuda")[: seqs * nb_per] + 8
-        tables = perm.view(seqs, nb_per).contiguous()
+        try:
+            rows.extend(attention_case(bw, name, seqs, ctx_len, kvh, h, d, bs, opts))
+        except Exception as e:  # noqa: BLE001 - one shape failing must not hide the others
+            traceback.print_exc()
+            rows.append({"kernel": f"paged_attention {name}", "error": repr(e)})
+
+
+def attention_case(
+    bw: float, name: str, seqs: int, ctx_len: int, kvh: int, h: int, d: int, bs: int, opts: dict
+) -> list[dict]:
+    prefill = name.startswith("prefill")
+    import triton.testing
+
+    from kernels.paged_attention import paged_attention
+    from kernels.reference import paged_attention_ref
+
+    nb_per = cdiv(ctx_len, bs)
+    num_blocks = seqs * nb_per + 8
+    dt = torch.bfloat16
+    kc = torch.randn((kvh, num_blocks, bs, d), device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(num_blocks - 8, device="cuda")[: seqs * nb_per] + 8
+    tables = perm.view(seqs, nb_per).contiguous()
+    if prefill:  # every position of each sequence is a query token (a whole prompt's prefill)
+        rows_t = torch.arange(seqs, device="cuda").repeat_interleave(ctx_len)
+        ctx = torch.arange(1, ctx_len + 1, device="cuda").repeat(seqs)
+    else:
         rows_t = torch.arange(seqs, device="cuda")
         ctx = torch.full((seqs,), ctx_len, device="cuda")
-        q = torch.randn((seqs, h, d), device="cuda", dtype=dt)
-        if "gpt-oss" in name:
-            opts = {**opts, "sinks": torch.randn(h, device="cuda")}
-        out = torch.full_like(q, float("nan"))
-        paged_attention(q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out, **opts)
-        ref_opts = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
-        sub = slice(0, min(seqs, 4))
-        ref = paged_attention_ref(
-            q[sub].cpu().float(),
-            kc.cpu().float(),
-            vc.cpu().float(),
-            tables[sub].cpu(),
-            rows_t[sub].cpu(),
-            ctx[sub].cpu(),
+    q = torch.randn((len(rows_t), h, d), device="cuda", dtype=dt)
+    if "gpt-oss" in name:
+        opts = {**opts, "sinks": torch.randn(h, device="cuda")}
+    ref_opts = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    sub = torch.tensor([0, 1, len(rows_t) // 2, len(rows_t) - 1]) if prefill else slice(0, min(seqs, 4))
+    ref = paged_attention_ref(
+        q[sub].cpu().float(),
+        kc.cpu().float(),
+        vc.cpu().float(),
+        tables.cpu(),
+        rows_t[sub].cpu(),
+        ctx[sub].cpu(),
+        d**-0.5,
+        **ref_opts,
+    )
+    read = min(ctx_len, opts.get("window") or ctx_len)  # positions whose K/V are read (at least once)
+    nbytes = 2 * seqs * read * kvh * d * kc.element_size() + 2 * q.numel() * q.element_size()
+    rows = []
+    for variant, kw in ATTENTION_VARIANTS.items():
+        out = torch.full_like(q, float("nan"))  # every element must be written
+        launch = functools.partial(
+            paged_attention,
+            q,
+            kc,
+            vc,
+            tables,
+            rows_t,
+            ctx,
             d**-0.5,
-            **ref_opts,
+            max_context=ctx_len,
+            out=out,
+            **opts,
+            **kw,
         )
+        launch()
+        torch.cuda.synchronize()
         err = rel_err(out[sub].float().cpu(), ref)
         written = bool(torch.isfinite(out).all())
-        launch = functools.partial(
-            paged_attention, q, kc, vc, tables, rows_t, ctx, d**-0.5, max_context=ctx_len, out=out, **opts
-        )
-        ms = triton.testing.do_bench(launch, warmup=25, rep=200, return_mode="median")
-        read = min(ctx_len, opts.get("window") or ctx_len)  # positions whose K/V are read
-        nbytes = 2 * seqs * read * kvh * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        ms = triton.testing.do_bench(launch, warmup=25, rep=100, return_mode="median")
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append(
             {
-                "kernel": f"paged_attention {name}",
+                "kernel": f"paged_attention {name} [{variant}]",
                 "rel_err": err,
                 "all_written": written,
                 "ms": ms,
@@ -126,6 +157,15 @@ def check_attention(bw: float, rows: list) -> None:
                 "of_copy_bw": gbs / bw,
             }
         )
+    return rows
+
+
+# the attention kernel's inner loops side by side: elementwise products over one block (16 keys) a
+# step, and tl.dot over 64 keys (the default)
+ATTENTION_VARIANTS = {
+    "elementwise, 16 keys": dict(use_dot=False, keys_per_step=16),
+    "dot, 64 keys (default)": dict(use_dot=True, keys_per_step=64),
+}
 
 
 def check_small_kernels(bw: float, rows: list) -> None:
@@ -187,6 +227,11 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     ms = triton.testing.do_bench(lambda: swap_blocks(host, cache, dst, src.cpu()), warmup=5, rep=50)
     nbytes = 256 * 16 * 2 * 8 * 16 * 128 * 2
     kernel_rows.append(kernel_row("swap_blocks host->device 256 blocks x 16 layers", ok, ms, nbytes, bw))
+    # the swap's own ceiling: one contiguous pinned host -> device copy of the same bytes
+    flat_host = host.view(-1)[: nbytes // 2]
+    flat_dev = torch.empty(flat_host.shape, dtype=flat_host.dtype, device="cuda")
+    ms = triton.testing.do_bench(lambda: flat_dev.copy_(flat_host, non_blocking=True), warmup=5, rep=50)
+    kernel_rows.append(kernel_row("contiguous pinned host->device copy, same bytes", True, ms, nbytes, bw))
 
     path = "/tmp/bench-56m"
     if not (Path(path) / "config.json").exists():
@@ -219,7 +264,6 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
             "graph_replays": replays,
         }
     )
-    rows.append(check_families())
     recompute, _, s_rec, _ = timed(num_kv_blocks=200, preemption_mode="recompute")
     swapped, _, s_swap, _ = timed(num_kv_blocks=200, preemption_mode="swap", swap_space_gb=1.0)
     rows.append(
@@ -244,7 +288,11 @@ def check_families() -> dict:
 
     @torch.no_grad()
     def hf_greedy(path: str, prompt: list[int], steps: int) -> list[int]:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # eager attention: the reference implementation of every family (some transformers
+        # versions pick SDPA for Gemma 2, which drops its attention soft-capping)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         ids = list(prompt)
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
@@ -253,18 +301,31 @@ def check_families() -> dict:
     prompts = [[5], list(range(20, 57)), [(7 * i) % 380 + 3 for i in range(90)]]
     same = {}
     for arch in FAMILY_ARCHS:
-        path = f"/tmp/family-{arch}"
-        if not (Path(path) / "config.json").exists():
-            make_model(path, arch, seed=1)
-        llm = LLM(path, dtype="float32", device="cuda", block_size=16, num_kv_blocks=64)
-        outs = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
-        )
-        same[arch] = (
-            sum(o.outputs[0].token_ids == hf_greedy(path, p, 8) for o, p in zip(outs, prompts, strict=True))
-            / 3
-        )
-    return {"check": "families, greedy vs transformers (CPU fp32), 3 prompts x 8 tokens", **same}
+        try:
+            path = f"/tmp/family-{arch}"
+            if not (Path(path) / "config.json").exists():
+                make_model(path, arch, seed=1)
+            llm = LLM(path, dtype="float32", device="cuda", block_size=16, num_kv_blocks=64)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            hits = [
+                o.outputs[0].token_ids == hf_greedy(path, p, 8) for o, p in zip(outs, prompts, strict=True)
+            ]
+            cpu = LLM(path, dtype="float32", device="cpu", block_size=16, num_kv_blocks=64)
+            cpu_outs = cpu.generate(prompts, params, use_tqdm=False)
+            as_cpu = [
+                a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs, cpu_outs, strict=True)
+            ]
+            same[arch] = {"transformers": sum(hits) / len(hits), "batchgen_cpu": sum(as_cpu) / len(as_cpu)}
+        except Exception as e:  # noqa: BLE001 - one family failing must not hide the others
+            traceback.print_exc()
+            same[arch] = repr(e)
+        print(f"  {arch}: {same[arch]}", flush=True)
+    return {
+        "check": "families, greedy: share of 3 prompts x 8 tokens equal to transformers (CPU, fp32, eager) "
+        "and to batchgen on the CPU",
+        **same,
+    }
 
 
 def run_workloads(model_dir: str, scale: float, rows: list) -> None:
@@ -324,6 +385,27 @@ def run_workloads(model_dir: str, scale: float, rows: list) -> None:
         )
 
 
+def run_all_workloads(args: argparse.Namespace, rows: list) -> None:
+    if not (Path(args.model_dir) / "config.json").exists():
+        from batchgen.tiny import make_model
+
+        make_model(
+            args.model_dir,
+            "llama",
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            max_positions=131072,
+            tie_word_embeddings=True,
+            initializer_range=0.02,
+            tokenizer_vocab=512,
+        )
+    run_workloads(args.model_dir, args.scale, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=float, default=1.0)
@@ -338,38 +420,34 @@ def main() -> None:
         f"device {torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s, bf16 matmul {tf:.0f} TFLOP/s"
     )
     kernels: list = []
-    check_attention(bw, kernels)
-    check_small_kernels(bw, kernels)
     engine_checks: list = []
-    try:
-        check_engine_paths(bw, kernels, engine_checks)
-    except Exception as e:  # noqa: BLE001 - report it and go on to the workloads
-        engine_checks.append({"check": "engine paths", "error": repr(e)})
+    workloads: list = []
+
+    def section(name: str, fn, *a) -> None:
+        """Run one part; a failure is reported (with its traceback) and the check goes on."""
+        t0 = time.perf_counter()
+        print(f"[{name}] ...", flush=True)
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001 - report it and go on to the next part
+            traceback.print_exc()
+            engine_checks.append({"check": name, "error": repr(e)})
+        print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+    section("attention kernels", check_attention, bw, kernels)
+    section("KV write and block copy", check_small_kernels, bw, kernels)
+    section("engine paths", check_engine_paths, bw, kernels, engine_checks)
+    section("families", lambda: engine_checks.append(check_families()))
     for r in engine_checks:
         print(json.dumps(r))
-    workloads: list = []
     if not args.skip_workloads:
-        if not (Path(args.model_dir) / "config.json").exists():
-            from batchgen.tiny import make_model
-
-            make_model(
-                args.model_dir,
-                "llama",
-                vocab_size=128256,
-                hidden_size=2048,
-                intermediate_size=8192,
-                num_layers=16,
-                num_heads=32,
-                num_kv_heads=8,
-                max_positions=131072,
-                tie_word_embeddings=True,
-                initializer_range=0.02,
-                tokenizer_vocab=512,
-            )
-        run_workloads(args.model_dir, args.scale, workloads)
+        section("workloads", run_all_workloads, args, workloads)
     print("| kernel | rel. error | all written | median ms | GB/s | of copy bandwidth |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in kernels:
+        if "error" in r:
+            print(f"| {r['kernel']} | {r['error']} | | | | |")
+            continue
         print(
             f"| {r['kernel']} | {r['rel_err']:.1e} | {r['all_written']} | {r['ms']:.3f} | {r['GB/s']:.0f} | "
             f"{r['of_copy_bw']:.0%} |"

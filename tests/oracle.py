@@ -8,10 +8,15 @@ _HF_CACHE: dict[str, object] = {}
 
 
 def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if path not in _HF_CACHE:
-        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # Attention soft-capping (Gemma 2) exists only in eager attention, and some transformers
+        # versions (5.17) load such a model with SDPA by default, silently without the cap.
+        config = AutoConfig.from_pretrained(path)
+        capped = getattr(config, "attn_logit_softcapping", None) is not None
+        kwargs = {"attn_implementation": "eager"} if capped else {}
+        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
     return _HF_CACHE[path]
 
 

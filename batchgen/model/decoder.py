@@ -278,7 +278,12 @@ class DecoderModel:
             router,
             partial(topk_then_softmax, k=c.num_experts_per_tok),
             experts,
-            partial(clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit),
+            # older transformers (5.17 among them) keep 1.702 and 7.0 as constants, not config fields
+            partial(
+                clamped_swiglu,
+                alpha=getattr(c, "swiglu_alpha", 1.702),
+                limit=getattr(c, "swiglu_limit", 7.0),
+            ),
         )
 
     @property

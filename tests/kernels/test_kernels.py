@@ -43,9 +43,17 @@ def run_on_device(q, kc, vc, tables, rows, ctx, scale, **kwargs):
     return paged_attention(*args, scale, max_context=int(ctx.max()), **moved)
 
 
+# the two inner loops: elementwise over one block a step, tl.dot over several blocks a step
+PATHS = [dict(use_dot=False, keys_per_step=8), dict(use_dot=True, keys_per_step=64)]
+
+
 @pytest.mark.parametrize("kvh, h", [(4, 4), (2, 8), (1, 8)])  # GQA ratios 1, 4, 8
-@pytest.mark.parametrize("bs", [8, 16, 32])
-def test_paged_attention_matches_reference(kvh, h, bs):
+@pytest.mark.parametrize(
+    "bs, path",
+    [(8, PATHS[0]), (8, PATHS[1]), (16, PATHS[1]), (32, PATHS[1])],
+    ids=["8-elementwise", "8-dot", "16-dot", "32-dot"],
+)
+def test_paged_attention_matches_reference(kvh, h, bs, path):
     gen = torch.Generator().manual_seed(bs * 10 + h)
     d, num_blocks = 16, 40
     # decode tokens at block boundaries (bs-1, bs, bs+1 context), a prefill chunk over a cached
@@ -58,13 +66,14 @@ def test_paged_attention_matches_reference(kvh, h, bs):
     ref = paged_attention_ref(q, kc, vc, tables, rows, ctx, 0.3)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan")).to(DEV)  # every element must be written
-        run_on_device(q, kc, vc, tables, rows, ctx, 0.3, num_splits=splits, out=out)
+        run_on_device(q, kc, vc, tables, rows, ctx, 0.3, num_splits=splits, out=out, **path)
         assert torch.isfinite(out).all()
         assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
 
 
+@pytest.mark.parametrize("path", PATHS, ids=["elementwise", "dot"])
 @pytest.mark.parametrize("softcap, use_sinks, window", [(5.0, False, None), (None, True, 7), (2.0, True, 5)])
-def test_paged_attention_softcap_and_sinks(softcap, use_sinks, window):
+def test_paged_attention_softcap_and_sinks(softcap, use_sinks, window, path):
     """Gemma 2's soft-capping and gpt-oss's sinks (with sliding windows, as those models use them),
     one split and three (the sink must count once across splits)."""
     gen = torch.Generator().manual_seed(11)
@@ -79,13 +88,25 @@ def test_paged_attention_softcap_and_sinks(softcap, use_sinks, window):
         assert not torch.allclose(ref, plain, atol=1e-3)
     for splits in (1, 3):
         out = run_on_device(
-            q, kc, vc, tables, rows, ctx, 0.5, window=window, num_splits=splits, softcap=softcap, sinks=sinks
+            q,
+            kc,
+            vc,
+            tables,
+            rows,
+            ctx,
+            0.5,
+            window=window,
+            num_splits=splits,
+            softcap=softcap,
+            sinks=sinks,
+            **path,
         )
         assert torch.allclose(out.cpu(), ref, atol=1e-5, rtol=1e-4), splits
 
 
+@pytest.mark.parametrize("path", PATHS, ids=["elementwise", "dot"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 5e-2)])
-def test_paged_attention_half_precision_and_window(dtype, tol):
+def test_paged_attention_half_precision_and_window(dtype, tol, path):
     gen = torch.Generator().manual_seed(3)
     kvh, h, d, bs, nb = 2, 4, 64, 16, 12
     tables, rows, ctx = mixed_batch(gen, [(30, 1), (0, 9), (40, 2)], bs, nb)
@@ -94,18 +115,19 @@ def test_paged_attention_half_precision_and_window(dtype, tol):
     for window in (None, 7):
         ref = paged_attention_ref(q, kc, vc, tables, rows, ctx, d**-0.5, window=window)
         out = paged_attention(
-            q.to(dtype),
-            kc.to(dtype),
-            vc.to(dtype),
-            tables,
-            rows,
-            ctx,
+            q.to(DEV, dtype),
+            kc.to(DEV, dtype),
+            vc.to(DEV, dtype),
+            tables.to(DEV),
+            rows.to(DEV),
+            ctx.to(DEV),
             d**-0.5,
             max_context=int(ctx.max()),
             window=window,
+            **path,
         )
         assert out.dtype == dtype
-        assert (out.float() - ref).norm() / ref.norm() < tol
+        assert (out.float().cpu() - ref).norm() / ref.norm() < tol
 
 
 def test_write_kv_skips_padding_slots():
@@ -150,3 +172,64 @@ def test_wrappers_reject_bad_shapes_and_dtypes():
             max_context=1,
         )
     assert choose_splits(4, 8, 32768, 16) > 1 and choose_splits(4096, 8, 512, 16) == 1
+
+
+BEYOND_INT32 = r"""
+import torch
+from kernels.block_ops import copy_blocks
+from kernels.kv_write import write_kv
+from kernels.paged_attention import paged_attention
+from kernels.reference import paged_attention_ref
+
+gen = torch.Generator().manual_seed(0)
+# copy_blocks: plane 8 of 9 starts past 2**31 bytes (pages never touched are never allocated)
+nb = (1 << 20) + 16
+cache = torch.empty((9, nb, 16, 16), dtype=torch.uint8)
+for b in (5, nb - 1):
+    cache[:, b] = torch.randint(0, 255, (9, 16, 16), dtype=torch.uint8, generator=gen)
+copy_blocks(cache, torch.tensor([5, nb - 1]), torch.tensor([nb - 2, 7]))
+assert torch.equal(cache[:, nb - 2], cache[:, 5]) and torch.equal(cache[:, 7], cache[:, nb - 1])
+del cache
+
+# write_kv and paged_attention: KV head 2 of 3 starts past 2**31 elements of its layer's cache
+kvh, h, bs, d = 3, 6, 16, 16
+nb = (1 << 22) + 8
+kc = torch.empty((kvh, nb, bs, d), dtype=torch.float16)
+vc = torch.empty_like(kc)
+blocks = torch.tensor([nb - 1, 3, nb - 5])  # one sequence of 40 tokens over three blocks
+ctx_len = 40
+k = torch.randn((ctx_len, kvh, d), generator=gen).half()
+v = torch.randn((ctx_len, kvh, d), generator=gen).half()
+slots = blocks[torch.arange(ctx_len) // bs] * bs + torch.arange(ctx_len) % bs
+write_kv(k, v, kc, vc, slots)
+assert torch.equal(kc[2, nb - 5, : ctx_len - 2 * bs], k[2 * bs :, 2])
+assert torch.equal(vc[2, nb - 1], v[:bs, 2])
+q = torch.randn((1, h, d), generator=gen).half()
+tables, rows, ctx = blocks[None], torch.tensor([0]), torch.tensor([ctx_len])
+small_k = torch.zeros((kvh, 3, bs, d))  # the reference on a compact copy of the three blocks
+small_v = torch.zeros((kvh, 3, bs, d))
+small_k[:, :, :].view(kvh, 3 * bs, d)[:, :ctx_len] = k.float().transpose(0, 1)
+small_v[:, :, :].view(kvh, 3 * bs, d)[:, :ctx_len] = v.float().transpose(0, 1)
+ref = paged_attention_ref(q.float(), small_k, small_v, torch.tensor([[0, 1, 2]]), rows, ctx, 0.25)
+for use_dot in (False, True):
+    out = paged_attention(q, kc, vc, tables, rows, ctx, 0.25, max_context=ctx_len, use_dot=use_dot)
+    assert (out.float() - ref).norm() / ref.norm() < 2e-2, use_dot
+print("ok")
+"""
+
+
+def test_kernels_address_caches_past_two_to_the_31_elements():
+    """A KV pool on a large GPU passes 2**31 elements (an H200's fills one layer's K cache of a
+    16-layer model to about 2**31): every kernel's offsets are 64-bit. Run in a child process,
+    since a 32-bit offset there is a wild write or a crash rather than a wrong number."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if DEV == "cuda":
+        pytest.skip("sized for the interpreter's lazily allocated host memory")
+    run = subprocess.run(
+        [sys.executable, "-c", BEYOND_INT32], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
