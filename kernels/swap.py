@@ -20,11 +20,18 @@ def swap_blocks(
         raise ValueError(f"swap_blocks: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be equal 1-d")
     if src.numel() == 0:
         return
-    moved = src_cache.index_select(-3, src.to(src_cache.device))
-    if dst_cache.device != moved.device:
-        if dst_cache.device.type == "cpu":
+    index = src.to(src_cache.device)
+    if src_cache.device.type == "cpu" and dst_cache.device.type != "cpu":
+        # gather straight into pinned memory (torch's caching host allocator reuses it), so the
+        # transfer is asynchronous without a second host copy (the first GPU run timed the
+        # gather-then-pin_memory version at 6.8 GB/s for 268 MB)
+        shape = list(src_cache.shape)
+        shape[-3] = src.numel()
+        moved = torch.empty(shape, dtype=src_cache.dtype, pin_memory=True)
+        torch.index_select(src_cache, -3, index, out=moved)
+        moved = moved.to(dst_cache.device, non_blocking=True)
+    else:
+        moved = src_cache.index_select(-3, index)
+        if dst_cache.device != moved.device:
             moved = moved.cpu()
-        else:
-            moved = moved.pin_memory() if not moved.is_pinned() else moved
-            moved = moved.to(dst_cache.device, non_blocking=True)
     dst_cache.index_copy_(-3, dst.to(dst_cache.device), moved)
