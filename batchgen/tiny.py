@@ -233,6 +233,26 @@ def make_bench_model(path: str | Path, max_positions: int = 4096) -> Path:
     return make_model(path, "llama", seed=0, **{**BENCH_SHAPE, "max_positions": max_positions})
 
 
+# WORKLOADS.md "bench-1b" (workloads S-gpu / B-gpu): the shape of Llama-3.2-1B
+GPU_SHAPE: dict[str, Any] = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    max_positions=131072,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    tokenizer_vocab=512,
+)
+
+
+def make_bench_1b_model(path: str | Path) -> Path:
+    """WORKLOADS.md "bench-1b": Llama, vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV heads."""
+    return make_model(path, "llama", seed=0, **GPU_SHAPE)
+
+
 DEEP_SHAPE: dict[str, Any] = dict(
     vocab_size=49152,
     hidden_size=576,

@@ -3,10 +3,12 @@ range is split).
 
 Every query token t (a decode token or a token of a prefill chunk) attends to the first
 ``token_ctx[t]`` positions of its sequence (its own position + 1: causal within a chunk, the whole
-cached prefix before it), reading K/V block by block through ``block_tables[token_rows[t]]``.
+cached prefix before it), reading K/V through ``block_tables[token_rows[t]]`` in tiles of whole
+blocks (64 keys by default), each scored and summed with ``tl.dot`` (or elementwise, ``use_dot=False``).
 Gemma 2's logit soft-capping (``softcap * tanh(score / softcap)``) and gpt-oss's attention sinks
-(a per-head logit in the softmax denominator) are compile-time options. One program handles one token and one KV head, so the ``H / KVH`` query heads that share the KV
-head read each K/V block once (grouped-query attention). With ``num_splits > 1`` the context is cut
+(a per-head logit in the softmax denominator) are compile-time options. One program handles one
+token and one KV head, so the ``H / KVH`` query heads that share the KV head read each K/V block
+once (grouped-query attention). With ``num_splits > 1`` the context is cut
 into ranges handled by separate programs whose partial results (max, sum, output) a second kernel
 merges: the flash-decoding layout for long contexts with few sequences.
 """

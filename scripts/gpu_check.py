@@ -387,22 +387,9 @@ def run_workloads(model_dir: str, scale: float, rows: list) -> None:
 
 def run_all_workloads(args: argparse.Namespace, rows: list) -> None:
     if not (Path(args.model_dir) / "config.json").exists():
-        from batchgen.tiny import make_model
+        from batchgen.tiny import make_bench_1b_model
 
-        make_model(
-            args.model_dir,
-            "llama",
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            max_positions=131072,
-            tie_word_embeddings=True,
-            initializer_range=0.02,
-            tokenizer_vocab=512,
-        )
+        make_bench_1b_model(args.model_dir)
     run_workloads(args.model_dir, args.scale, rows)
 
 
