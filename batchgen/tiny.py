@@ -234,7 +234,7 @@ def make_bench_model(path: str | Path, max_positions: int = 4096) -> Path:
 
 
 # WORKLOADS.md "bench-1b" (workloads S-gpu / B-gpu): the shape of Llama-3.2-1B
-GPU_SHAPE: dict[str, Any] = dict(
+BENCH_1B_SHAPE: dict[str, Any] = dict(
     vocab_size=128256,
     hidden_size=2048,
     intermediate_size=8192,
@@ -250,7 +250,7 @@ GPU_SHAPE: dict[str, Any] = dict(
 
 def make_bench_1b_model(path: str | Path) -> Path:
     """WORKLOADS.md "bench-1b": Llama, vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV heads."""
-    return make_model(path, "llama", seed=0, **GPU_SHAPE)
+    return make_model(path, "llama", seed=0, **BENCH_1B_SHAPE)
 
 
 DEEP_SHAPE: dict[str, Any] = dict(

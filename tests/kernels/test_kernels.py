@@ -226,9 +226,7 @@ def test_kernels_address_caches_past_two_to_the_31_elements():
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    if DEV == "cuda":
-        pytest.skip("sized for the interpreter's lazily allocated host memory")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # host tensors, lazily allocated, on any machine
     run = subprocess.run(
         [sys.executable, "-c", BEYOND_INT32], env=env, capture_output=True, text=True, timeout=300
     )
