@@ -76,6 +76,8 @@ SIGNATURES = {
     "prefill_bf16_amx_chunks": (_INT, [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _INT]),
     # logits, vocab, rows, running, groups, k, keep, scores, index, threads
     "beam_topk_f32": (_INT, [_P, _I, _P, _P, _I, _I, _I, _P, _P, _INT]),
+    # on: 1 / 0 sets whether bf16 GEMMs run on AMX tiles, -1 asks; returns whether they do
+    "gemm_amx": (_INT, [_INT]),
     # w, n, k, out
     "gemm_pack_f32": (_INT, [_P, _I, _I, _P]),
     "gemm_pack_bf16": (_INT, [_P, _I, _I, _P]),

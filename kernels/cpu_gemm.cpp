@@ -61,9 +61,13 @@
 
 #include <omp.h>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 namespace {
+
+// bf16 GEMMs on AMX tiles where they run (gemm_amx turns them off for tests and benchmarks)
+bool amx_enabled = true;
 
 #ifdef BATCHGEN_GEMM_AVX512
 constexpr int kRows = 6;  // rows per register block
@@ -346,6 +350,141 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 
 #endif
 
+#if defined(BATCHGEN_AMX) && defined(BATCHGEN_GEMM_BF16) && defined(BATCHGEN_GEMM_AVX512)
+#define BATCHGEN_GEMM_AMX 1
+
+// bf16 on AMX tiles, where the process may use them (batchgen::amx_permitted) and K is a multiple
+// of 32. The packed layout is already the tiles' B operand: a column vector's K pairs are rows of
+// 16 columns x 2 bf16, so 16 pairs (32 K) of one vector are one 16 x 64-byte tile, 1 KiB
+// contiguous. A block is 32 rows x 2 column vectors: tiles 0-3 the four 16 x 16 float32 products,
+// 4 / 5 two 16-row pieces of x (straight from its rows), 6 / 7 the two vectors' weights; per 32 K,
+// four loads and four tile products. A thread walks its range of vectors a pair at a time, every
+// block of rows (up to kAmxChunkRows, x's rows staying in L2) on the pair's weights, which come
+// from memory once and from L1 / L2 for the pair's other row blocks; while it does, it prefetches
+// the next pair's weights into L2, spread over the K loop of the first row block. Rows past m in
+// a last partial block are zeros in a per-thread copy. The epilogue adds the bias and rounds as
+// block_bf16 does (gated: silu(gate) * up at cpu_ops.cpp's rounding points; O float: widened).
+//
+// At the 64 rows of a decode step, where each step reads every weight from memory, this streams
+// the weights faster than oneDNN's AMX GEMM, whose per-call setup and blocking for large row counts
+// leave bench-56m's projections at 6-20 GB/s of weights (scripts/gemm_rates.py --cold).
+constexpr int64_t kAmxChunkRows = 256;
+
+template <typename O, bool Gated>
+inline void amx_epilogue(const float (*acc)[32], int64_t rows, int cols, const float* bias, O* y, int64_t ldy,
+                         int lastn) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (Gated) {
+      batchgen::v16 g = batchgen::load16(acc[r]), u = batchgen::load16(acc[r] + 16);
+      if (bias) g += batchgen::load16(bias), u += batchgen::load16(bias + 16);
+      g = batchgen::round_bf16(g);
+      u = batchgen::round_bf16(u);
+      const batchgen::v16 s = batchgen::round_bf16(batchgen::silu16(g)) * u;
+      batchgen::store16(y + r * ldy, s);
+    } else {
+      for (int c = 0; c < cols; ++c) {
+        batchgen::v16 v = batchgen::load16(acc[r] + 16 * c);
+        if (bias) v += batchgen::load16(bias + 16 * c);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+        const int width = c == cols - 1 ? lastn : 16;
+        O* out = y + r * ldy + 16 * c;
+        if constexpr (std::is_same_v<O, float>) {
+          const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+          _mm512_mask_storeu_ps(out, lanes(width), f);
+        } else {
+          _mm256_mask_storeu_epi16(out, lanes(width), h);
+        }
+      }
+    }
+  }
+}
+
+template <typename O, bool Gated>
+void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
+              const float* bias, O* y, int64_t ldy) {
+  const int64_t vectors = (n + 15) / 16;
+  const int64_t unit = Gated ? 2 : 1;
+  const int64_t vstride = k / 2 * 16;  // uint32 per vector
+  const int64_t steps = k / 32;
+  const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
+  if (lo >= hi || m == 0) return;
+  thread_local std::vector<uint16_t> pad;  // a last block's rows, zero-padded to 32
+  batchgen::configure_full_tiles();
+  alignas(64) float acc[32][32];
+  for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
+    const int64_t mend = std::min(m, mc + kAmxChunkRows);
+    for (int64_t v = lo; v < hi; v += 2) {
+      const int cols = hi - v >= 2 ? 2 : 1;
+      const uint32_t* w0 = wp + v * vstride;
+      const uint32_t* w1 = w0 + vstride;
+      // the next pair's weights, prefetched into L2 during the first row block
+      const char* next = reinterpret_cast<const char*>(w0 + cols * vstride);
+      const int64_t next_lines = v + 2 < hi ? std::min<int64_t>(2, hi - v - 2) * vstride * 4 / 64 : 0;
+      const int64_t per_step = (next_lines + steps - 1) / steps;
+      const int lastn = (v + cols == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
+      for (int64_t mb = mc; mb < mend; mb += 32) {
+        const int64_t rows = std::min<int64_t>(32, mend - mb);
+        const uint16_t* a = x + mb * ldx;
+        int64_t lda = ldx;
+        if (rows < 32 && rows != 16) {
+          pad.assign(static_cast<size_t>(32 * k), 0);
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * k, a + r * ldx, k * sizeof(uint16_t));
+          a = pad.data();
+          lda = k;
+        }
+        const bool two = rows > 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if (two && cols == 2 && (mb != mc || !per_step)) {  // a whole block from cache: the plain loop
+          for (int64_t s = 0; s < steps; ++s) {
+            _tile_loadd(4, a + 32 * s, lda * 2);
+            _tile_loadd(6, w0 + 256 * s, 64);
+            _tile_loadd(7, w1 + 256 * s, 64);
+            _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        } else
+        for (int64_t s = 0; s < steps; ++s) {
+          if (mb == mc && per_step)
+            for (int64_t i = s * per_step; i < std::min(next_lines, (s + 1) * per_step); ++i)
+              _mm_prefetch(next + 64 * i, _MM_HINT_T1);
+          _tile_loadd(4, a + 32 * s, lda * 2);
+          _tile_loadd(6, w0 + 256 * s, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (cols == 2) {
+            _tile_loadd(7, w1 + 256 * s, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two) {
+            _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, &acc[0][0], 128);
+        _tile_stored(1, &acc[0][16], 128);
+        if (two) {
+          _tile_stored(2, &acc[16][0], 128);
+          _tile_stored(3, &acc[16][16], 128);
+        }
+        amx_epilogue<O, Gated>(acc, rows, cols, bias ? bias + v * 16 : nullptr, y + mb * ldy + v / unit * 16, ldy,
+                               lastn);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Whether a bf16 GEMM of inner size k runs on amx_part
+inline bool amx_gemm(int64_t k) { return k % 32 == 0 && batchgen::amx_permitted() && amx_enabled; }
+
+#endif
+
 #ifdef BATCHGEN_GEMM_F32
 
 // All m rows against C column vectors: full blocks of kRows, then the remainder, each block
@@ -394,6 +533,10 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
                const float* bias, O* y, int64_t ldy) {
+#ifdef BATCHGEN_GEMM_AMX
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
+#endif
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
   const int64_t vstride = std::is_same_v<T, uint16_t> ? k / 2 * 16 : k * 16;  // W elements per vector
@@ -510,6 +653,18 @@ int experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t*
 }  // namespace
 
 extern "C" {
+
+// Whether bf16 GEMMs run on AMX tiles (where K is a multiple of 32): ``on`` 0 / 1 sets it, -1
+// only asks. 0 where the tiles were not compiled in or Linux does not grant them.
+int gemm_amx(int on) {
+#ifdef BATCHGEN_GEMM_AMX
+  if (on >= 0) amx_enabled = on != 0;
+  return amx_enabled && batchgen::amx_permitted() ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
 
 // W [n, k] (row-major) into the packed layout: float32 [ceil(n/16)][k][16].
 int gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) {

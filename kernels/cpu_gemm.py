@@ -11,6 +11,16 @@ from kernels.cpu import available, load
 from kernels.cpu_ops import DTYPE_SUFFIX
 
 
+def amx(on: bool | None = None) -> bool:
+    """Whether bfloat16 GEMMs run on AMX tiles (``cpu_gemm.cpp``'s ``amx_part``: where the tiles
+    were compiled in, Linux grants them and K is a multiple of 32); ``on`` turns them on or off
+    for the process first (tests and benchmarks time and check both paths). False where the
+    library does not build."""
+    if not available():
+        return False
+    return bool(load().gemm_amx(-1 if on is None else int(on)))
+
+
 class PackedWeight:
     """``weight`` [n, k] packed for the kernel, with the bias in float32; calling it on ``x``
     [m, k] (rows may be strided) gives ``x @ weight.T + bias``, [m, n] in the weight's dtype, or

@@ -9,6 +9,9 @@ experts' gate/up), gate/up, down and LM head, bench-moe's experts' down, bench-d
 call reads its weight from memory as the engine's steps do (a model's layers together outgrow the
 caches; the default repeats one weight, which then stays in L2 / L3).
 
+In bfloat16 on a CPU with AMX the kernel runs on AMX tiles (``kernels.cpu_gemm.amx``); ``--no-amx``
+times its dot-instruction path instead.
+
 ``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
 engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel against the gated GEMM
 (``Linear.silu_mul``), and the LM head then ``.float()`` against the widened GEMM
@@ -102,13 +105,22 @@ def main() -> None:
         action="store_true",
         help="weights from memory, as in a model's step: each call on another of 256 MB of copies",
     )
+    ap.add_argument("--no-amx", action="store_true", help="the kernel's bf16 on its dot instruction, not AMX tiles")
     args = ap.parse_args()
+    if args.no_amx:
+        from kernels import cpu_gemm
+
+        cpu_gemm.amx(False)
     torch.set_num_threads(args.threads)
     dt = getattr(torch, args.dtype)
     if args.fused:
         fused(dt, args.rows)
         return
-    print(f"GFLOP/s, {args.dtype}, {args.threads} threads" + (", weights from memory" if args.cold else ""))
+    print(
+        f"GFLOP/s, {args.dtype}, {args.threads} threads"
+        + (", weights from memory" if args.cold else "")
+        + (", the kernel's bf16 off AMX tiles" if args.no_amx else "")
+    )
     print("| N x K | rows | " + " | ".join(args.backends) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in args.backends) + " |")
     gen = torch.Generator().manual_seed(0)

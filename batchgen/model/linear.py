@@ -4,12 +4,16 @@ On the CPU, float32 and bfloat16 weights are packed for the compiled GEMM kernel
 (``kernels/cpu_gemm.cpp``: 16-column vectors, a 6-row x 64-column register block; 3 rows x 32
 columns on AVX2), which runs the row counts of inference (1-256 rows per call) at 340-450 GFLOP/s
 in bf16 and 185-225 in float32 on 2 cores, where oneDNN's packed GEMM reaches 100-330 and 80-180
-below 64 rows. Where that kernel is not available (no compiler, a CPU without AVX-512 or AVX2
-with FMA) weights are reordered into oneDNN's blocked layout and multiplied with
-``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. bfloat16 weights on a CPU with
-AMX (Intel Sapphire Rapids and later) go to oneDNN first: its AMX tile GEMM ran the bench models'
-shapes at 1,000-2,150 GFLOP/s at 128 rows on 2 cores, where the kernel's AVX-512 BF16 dot products
-reach about 200 there (``scripts/gemm_rates.py``). ``F.linear`` goes through
+below 64 rows. bfloat16 on a CPU with AMX (Intel Sapphire Rapids and later) runs in the same
+kernel on AMX tiles (the packed layout is already the tiles' operand): at the 64 rows of a decode
+step, weights from memory, 1,000-1,200 GFLOP/s on bench-56m's projections against oneDNN's AMX
+GEMM's 750-990 (``scripts/gemm_rates.py --dtype bfloat16 --rows 64 --cold``), and 1.06-1.17x
+whole bf16 workloads (1.5x M, whose grouped experts run in one call); oneDNN stays ahead on
+prefill chunks of thousands of rows (about 2,500 against 3,200 at 2,048 rows). A bf16 layer whose
+input width is not a multiple of 32 goes to oneDNN there instead, whose AMX GEMM is several times
+the kernel's dot instruction. Where the kernel is not available (no compiler, a CPU without
+AVX-512 or AVX2 with FMA) weights are reordered into oneDNN's blocked layout and multiplied with
+``torch.ops.mkldnn._linear_pointwise``, as vLLM's CPU backend does. ``F.linear`` goes through
 MKL's ``sgemm``, which on some CPUs (AMD EPYC among them) takes a code path that ran the bench
 model's shapes at about a third of oneDNN's rate (``scripts/bench.py`` measures all three). Each
 packed layer is checked against ``F.linear`` when it is built; if the check fails, the layer
@@ -46,7 +50,8 @@ BACKENDS = ("auto", "cpu", "onednn", "torch")
 
 def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list[str]:
     """The backends a layer tries in order, for the ``linear_backend`` setting: "auto" is the
-    compiled kernel, else oneDNN, else ``F.linear`` (oneDNN first for bfloat16 on a CPU with AMX);
+    compiled kernel, else oneDNN, else ``F.linear`` (a layer may still skip the kernel:
+    ``_onednn_faster``);
     "cpu" and "onednn" are that one alone (an error where it cannot run); "torch" is ``F.linear``."""
     if setting == "torch":
         return ["torch"]
@@ -69,9 +74,21 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
         return ["cpu"]
     if setting == "onednn":
         return ["onednn"]
-    order = ("onednn", "cpu") if dtype == torch.bfloat16 and utils.has_amx() else ("cpu", "onednn")
     ok = {"cpu": cpu, "onednn": onednn}
-    return [b for b in order if ok[b]] + ["torch"]
+    return [b for b in ("cpu", "onednn") if ok[b]] + ["torch"]
+
+
+def _kernel_amx() -> bool:
+    """Whether the compiled kernel runs bfloat16 GEMMs on AMX tiles here (``kernels.cpu_gemm.amx``)."""
+    from kernels.cpu_gemm import amx  # noqa: PLC0415
+
+    return amx()
+
+
+def _onednn_faster(weight: torch.Tensor) -> bool:
+    """A bfloat16 layer that the kernel would run on its dot instruction on a CPU with AMX (its
+    input width not a multiple of 32): oneDNN's AMX GEMM is several times faster there."""
+    return weight.dtype == torch.bfloat16 and utils.has_amx() and not (_kernel_amx() and weight.shape[1] % 32 == 0)
 
 
 class Linear:
@@ -95,6 +112,8 @@ class Linear:
         self.kernel: PackedWeight | None = None  # the compiled kernel's
         self.backend = "torch"
         for backend in backends:
+            if backend == "cpu" and not strict and "onednn" in backends and _onednn_faster(weight):
+                continue
             if backend == "cpu":
                 self.kernel = _pack_for_kernel(weight, bias, gated)
             elif backend == "onednn":

@@ -32,6 +32,25 @@ def needs_kernel(dtype: torch.dtype):
     )
 
 
+# The bf16 kernel tests run on both of the kernel's bf16 paths where this CPU has them: AMX tiles
+# (``amx_part``, inputs of a multiple of 32 columns) and the dot instruction.
+BF16_PATHS = [
+    pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")),
+    pytest.param(False, id="dot"),
+]
+
+
+@pytest.fixture
+def bf16_path(request):
+    """Sets the kernel's bf16 path for one test (``cpu_gemm.amx``), restoring it after."""
+    if request.param and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip("AMX tiles run bf16 only")
+    before = cpu_gemm.amx()
+    cpu_gemm.amx(request.param)
+    yield request.param
+    cpu_gemm.amx(before)
+
+
 def check_against_float64(layer: Linear, w, b, x, rel: float) -> None:
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     got = layer(x)
@@ -90,11 +109,15 @@ def test_kernel_linear_float32(rows, n):
 
 
 @needs_kernel(torch.bfloat16)
-@pytest.mark.parametrize("rows", [1, 5, 6, 40, 257])
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 32, 40, 257])
 @pytest.mark.parametrize("n", [7, 48, 200])
-def test_kernel_linear_bfloat16(rows, n):
+def test_kernel_linear_bfloat16(rows, n, bf16_path):
     """Products of bf16 values are exact in float32; the one rounding is the output's to bf16, so
-    the error is at most half a bf16 ulp of the result (2^-9 relative) plus float32 summation."""
+    the error is at most half a bf16 ulp of the result (2^-9 relative) plus float32 summation.
+    On AMX tiles: one 16-row tile (16), whole 32-row blocks (32), a block padded with zero rows (5,
+    40), a second 256-row chunk of one row (257); 7 columns (a partial vector), 3 vectors (one
+    thread's pair and the other's single vector)."""
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     k = 96
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -120,9 +143,10 @@ def test_kernel_linear_bfloat16(rows, n):
 # the rows outgrow L2: rows 8 at k 1024 take the prefetching K loop, 1,200 (megabytes of rows) the
 # plain one, and 600 rows at k 16 more row blocks (100) than the next panel has cache lines (64 in
 # float32). Three panels per thread at n 384; the gated layer's epilogue behind both loops.
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "k"), [(8, 1024), (1200, 1024), (600, 16)])
-def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k):
+def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k, bf16_path):
     if not kernel_runs(dtype):
         pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
     from kernels import cpu_ops
@@ -146,10 +170,11 @@ def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k):
         assert (hidden.double() - F.silu(gate) * up).abs().max() <= 1e-5 * (F.silu(gate) * up).abs().max()
 
 
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
 @pytest.mark.parametrize("n", [32, 96, 160])
-def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n):
+def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n, bf16_path):
     """A [gate; up] layer packed gated: silu(gate) * up in the GEMM's pass equals the plain GEMM
     followed by the SwiGLU kernel, bit for bit in bf16 (the same rounding points), to float32
     rounding in float32; the plain call still gives [gate | up]. n: one vector pair, three (a
@@ -181,9 +206,10 @@ def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n):
         assert (got[0].double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, top_k, bias", [(1, 1, False), (7, 2, True), (130, 4, False)])
-def test_grouped_experts_equal_each_expert_on_its_rows(dtype, tokens, top_k, bias):
+def test_grouped_experts_equal_each_expert_on_its_rows(dtype, tokens, top_k, bias, bf16_path):
     """A mixture-of-experts layer's experts in one kernel call: every token's output is the sum
     over its slots of the routing weight times its expert's output on that token, the expert run
     alone (the same packed GEMMs, whose rows do not depend on each other), summed in float64 here:
@@ -244,6 +270,25 @@ def test_gated_packing_needs_whole_vector_pairs():
     assert layer.silu_mul(torch.randn(2, 16)) is None
 
 
+@needs_onednn_bf16
+@needs_kernel(torch.bfloat16)
+@pytest.mark.parametrize(("cpu_amx", "kernel_amx", "k", "backend"), [
+    (False, False, 48, "cpu"),  # no AMX: the kernel's dot instruction
+    (True, True, 64, "cpu"),  # the kernel on AMX tiles
+    (True, True, 48, "onednn"),  # a width the tiles do not take: oneDNN's AMX GEMM
+    (True, False, 64, "onednn"),  # tiles not compiled in
+])
+def test_bfloat16_layers_on_amx_cpus_take_the_faster_gemm(monkeypatch, cpu_amx, kernel_amx, k, backend):
+    from batchgen.model import linear
+
+    monkeypatch.setattr(utils, "has_amx", lambda: cpu_amx)
+    monkeypatch.setattr(linear, "_kernel_amx", lambda: kernel_amx)
+    w = torch.randn(32, k).bfloat16()
+    assert Linear(w, backends=backends_for("auto", torch.device("cpu"), torch.bfloat16)).backend == backend
+    assert Linear(w, backends=["cpu"], strict=True).backend == "cpu"  # linear_backend="cpu" still runs it
+    assert Linear(torch.randn(32, k), backends=["cpu", "onednn", "torch"]).backend == "cpu"  # float32
+
+
 @needs_onednn
 def test_kernel_declines_an_odd_bfloat16_width():
     """The bf16 layout pairs input columns; an odd count falls back to oneDNN under "auto" (to
@@ -264,10 +309,8 @@ def test_linear_backend_setting(monkeypatch):
     assert backends_for("auto", dev, torch.float16) == ["torch"]  # no fp16 GEMMs but F.linear's
     assert backends_for("auto", torch.device("cuda"), torch.bfloat16) == ["torch"]
     if cpu.available() and torch.backends.mkldnn.is_available():
-        for amx, bf16_order in ((False, ["cpu", "onednn", "torch"]), (True, ["onednn", "cpu", "torch"])):
-            monkeypatch.setattr(utils, "has_amx", lambda amx=amx: amx)
-            assert backends_for("auto", dev, torch.bfloat16) == bf16_order
-            assert backends_for("auto", dev, torch.float32) == ["cpu", "onednn", "torch"]
+        for dtype in (torch.float32, torch.bfloat16):
+            assert backends_for("auto", dev, dtype) == ["cpu", "onednn", "torch"]
     with pytest.raises(ValueError, match="linear_backend='onednn' needs a CPU device"):
         backends_for("onednn", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="linear_backend='cpu' needs a CPU device"):
