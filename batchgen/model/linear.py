@@ -9,7 +9,8 @@ kernel on AMX tiles (the packed layout is already the tiles' operand): at the 64
 step, weights from memory, 1,000-1,200 GFLOP/s on bench-56m's projections against oneDNN's AMX
 GEMM's 750-990 (``scripts/gemm_rates.py --dtype bfloat16 --rows 64 --cold``), and 1.06-1.17x
 whole bf16 workloads (1.5x M, whose grouped experts run in one call); oneDNN stays ahead on
-prefill chunks of thousands of rows (about 2,500 against 3,200 at 2,048 rows). A bf16 layer whose
+prefill chunks of thousands of rows (about 2,500 against 3,200 at 2,048 rows), and so does
+``F.linear`` (MKL's AMX GEMM), which such a layer runs from ``_TORCH_FROM_ROWS`` rows. A bf16 layer whose
 input width is not a multiple of 32 goes to oneDNN there instead, whose AMX GEMM is several times
 the kernel's dot instruction. Where the kernel is not available (no compiler, a CPU without
 AVX-512 or AVX2 with FMA) weights are reordered into oneDNN's blocked layout and multiplied with
@@ -43,6 +44,11 @@ _ROW_SIZES: tuple[int, ...] = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 
 _ROW_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 _MAX_ROWS = _ROW_SIZES[-1]
 _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
+# From this many rows (prefill chunks) a bf16 layer on the kernel's AMX tiles runs through
+# ``F.linear`` instead (MKL's AMX GEMM on the layer's own weight, no second copy): 1.2-1.6x the
+# tiles on bench-56m's projections at 2,048 rows; below about 1,024 rows the tiles are as fast or
+# faster. A gated layer's fused ``silu_mul`` stays on the tiles (it saves the SwiGLU's pass).
+_TORCH_FROM_ROWS = 1536
 
 
 BACKENDS = ("auto", "cpu", "onednn", "torch")
@@ -111,6 +117,7 @@ class Linear:
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.kernel: PackedWeight | None = None  # the compiled kernel's
         self.backend = "torch"
+        self._tiles: bool | None = None  # see _large_to_torch
         for backend in backends:
             if backend == "cpu" and not strict and "onednn" in backends and _onednn_faster(weight):
                 continue
@@ -126,7 +133,19 @@ class Linear:
                     f"linear_backend={backend!r}: it cannot run a {tuple(weight.shape)} {weight.dtype} layer"
                 )
 
+    @property
+    def _large_to_torch(self) -> bool:
+        """Whether calls of ``_TORCH_FROM_ROWS`` rows or more go to ``F.linear``: bf16 on AMX tiles."""
+        if self._tiles is None:
+            self._tiles = bool(
+                self.kernel is not None and self.weight.dtype == torch.bfloat16 and self.weight.shape[1] % 32 == 0
+                and _kernel_amx()
+            )
+        return self._tiles
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
         if self.kernel is not None:
             out = self.kernel(x.reshape(-1, x.shape[-1]))
             return out.view(*x.shape[:-1], out.shape[-1])

@@ -289,6 +289,33 @@ def test_bfloat16_layers_on_amx_cpus_take_the_faster_gemm(monkeypatch, cpu_amx, 
     assert Linear(torch.randn(32, k), backends=["cpu", "onednn", "torch"]).backend == "cpu"  # float32
 
 
+@needs_kernel(torch.bfloat16)
+@pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")
+def test_bfloat16_prefill_chunks_on_amx_tiles_go_through_f_linear(monkeypatch):
+    """From _TORCH_FROM_ROWS rows a bf16 layer on AMX tiles runs F.linear on its own weight (MKL's
+    AMX GEMM, faster at prefill sizes); fewer rows, and a gated layer's fused SwiGLU, stay on the
+    tiles."""
+    from batchgen.model.linear import _TORCH_FROM_ROWS
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 96, generator=gen).bfloat16()
+    b = torch.randn(64, generator=gen).bfloat16()
+    layer = Linear(w, b, backends=["cpu"], strict=True)
+    gated = Linear(w, b, backends=["cpu"], strict=True, gated=True)
+    assert layer.kernel is not None and gated.kernel is not None and gated.kernel.gated
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a[0].shape) or linear(*a))
+    big = torch.randn(_TORCH_FROM_ROWS, 96, generator=gen).bfloat16()
+    assert torch.equal(layer(big), linear(big, w, b))
+    assert torch.equal(layer(big.view(2, -1, 96)), linear(big, w, b).view(2, -1, 64))
+    assert calls == [big.shape, (2, _TORCH_FROM_ROWS // 2, 96)]
+    small = big[:-1]
+    assert torch.equal(layer(small), layer.kernel(small))
+    assert torch.equal(gated.silu_mul(big), gated.kernel.silu_mul(big))
+    assert len(calls) == 2  # neither went through F.linear
+
+
 @needs_onednn
 def test_kernel_declines_an_odd_bfloat16_width():
     """The bf16 layout pairs input columns; an odd count falls back to oneDNN under "auto" (to
