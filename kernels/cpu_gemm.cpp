@@ -437,18 +437,6 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (two && cols == 2 && (mb != mc || !per_step)) {  // a whole block from cache: the plain loop
-          for (int64_t s = 0; s < steps; ++s) {
-            _tile_loadd(4, a + 32 * s, lda * 2);
-            _tile_loadd(6, w0 + 256 * s, 64);
-            _tile_loadd(7, w1 + 256 * s, 64);
-            _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        } else
         for (int64_t s = 0; s < steps; ++s) {
           if (mb == mc && per_step)
             for (int64_t i = s * per_step; i < std::min(next_lines, (s + 1) * per_step); ++i)

@@ -91,10 +91,15 @@ def _kernel_amx() -> bool:
     return amx()
 
 
+def _on_tiles(weight: torch.Tensor) -> bool:
+    """Whether the kernel runs this weight on AMX tiles: bfloat16, an input width of a multiple of 32."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and _kernel_amx()
+
+
 def _onednn_faster(weight: torch.Tensor) -> bool:
     """A bfloat16 layer that the kernel would run on its dot instruction on a CPU with AMX (its
     input width not a multiple of 32): oneDNN's AMX GEMM is several times faster there."""
-    return weight.dtype == torch.bfloat16 and utils.has_amx() and not (_kernel_amx() and weight.shape[1] % 32 == 0)
+    return weight.dtype == torch.bfloat16 and utils.has_amx() and not _on_tiles(weight)
 
 
 class Linear:
@@ -117,7 +122,6 @@ class Linear:
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.kernel: PackedWeight | None = None  # the compiled kernel's
         self.backend = "torch"
-        self._tiles: bool | None = None  # see _large_to_torch
         for backend in backends:
             if backend == "cpu" and not strict and "onednn" in backends and _onednn_faster(weight):
                 continue
@@ -132,19 +136,11 @@ class Linear:
                 raise ValueError(
                     f"linear_backend={backend!r}: it cannot run a {tuple(weight.shape)} {weight.dtype} layer"
                 )
-
-    @property
-    def _large_to_torch(self) -> bool:
-        """Whether calls of ``_TORCH_FROM_ROWS`` rows or more go to ``F.linear``: bf16 on AMX tiles."""
-        if self._tiles is None:
-            self._tiles = bool(
-                self.kernel is not None and self.weight.dtype == torch.bfloat16 and self.weight.shape[1] % 32 == 0
-                and _kernel_amx()
-            )
-        return self._tiles
+        # calls of _TORCH_FROM_ROWS rows or more go to F.linear where the kernel runs on AMX tiles
+        self._large_to_torch = self.kernel is not None and _on_tiles(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]:
+        if self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         if self.kernel is not None:
             out = self.kernel(x.reshape(-1, x.shape[-1]))
