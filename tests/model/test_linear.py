@@ -38,13 +38,20 @@ BF16_PATHS = [
     pytest.param(True, id="amx", marks=pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")),
     pytest.param(False, id="dot"),
 ]
+# (dtype, bf16 path) for the tests of both dtypes: float32 once, bf16 on each of its paths
+DTYPE_PATHS = [
+    pytest.param(torch.float32, None, id="float32"),
+    *(pytest.param(torch.bfloat16, *p.values, id=f"bfloat16-{p.id}", marks=p.marks) for p in BF16_PATHS),
+]
 
 
 @pytest.fixture
 def bf16_path(request):
-    """Sets the kernel's bf16 path for one test (``cpu_gemm.amx``), restoring it after."""
-    if request.param and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
-        pytest.skip("AMX tiles run bf16 only")
+    """Sets the kernel's bf16 path for one test (``cpu_gemm.amx``), restoring it after; None
+    leaves it as it is (a float32 test)."""
+    if request.param is None:
+        yield None
+        return
     before = cpu_gemm.amx()
     cpu_gemm.amx(request.param)
     yield request.param
@@ -143,8 +150,7 @@ def test_kernel_linear_bfloat16(rows, n, bf16_path):
 # the rows outgrow L2: rows 8 at k 1024 take the prefetching K loop, 1,200 (megabytes of rows) the
 # plain one, and 600 rows at k 16 more row blocks (100) than the next panel has cache lines (64 in
 # float32). Three panels per thread at n 384; the gated layer's epilogue behind both loops.
-@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize(("rows", "k"), [(8, 1024), (1200, 1024), (600, 16)])
 def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k, bf16_path):
     if not kernel_runs(dtype):
@@ -170,8 +176,7 @@ def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k, bf16_p
         assert (hidden.double() - F.silu(gate) * up).abs().max() <= 1e-5 * (F.silu(gate) * up).abs().max()
 
 
-@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
 @pytest.mark.parametrize("n", [32, 96, 160])
 def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n, bf16_path):
@@ -206,8 +211,7 @@ def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n, bf16_path):
         assert (got[0].double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize("tokens, top_k, bias", [(1, 1, False), (7, 2, True), (130, 4, False)])
 def test_grouped_experts_equal_each_expert_on_its_rows(dtype, tokens, top_k, bias, bf16_path):
     """A mixture-of-experts layer's experts in one kernel call: every token's output is the sum
@@ -330,7 +334,7 @@ def test_kernel_declines_an_odd_bfloat16_width():
         Linear(w, backends=["cpu"], strict=True)
 
 
-def test_linear_backend_setting(monkeypatch):
+def test_linear_backend_setting():
     dev = torch.device("cpu")
     assert backends_for("torch", dev, torch.float32) == ["torch"]
     assert backends_for("auto", dev, torch.float16) == ["torch"]  # no fp16 GEMMs but F.linear's
