@@ -1,7 +1,7 @@
 """The CPU decode attention kernel's shared-block pass against row by row, on a workload's shapes.
 
     python scripts/decode_attention.py [--workload R|S] [--n N] [--dtype float32|bfloat16] [--generated 40]
-        [--rounds 12]
+        [--rounds 12] [--from-cache]
     python scripts/decode_attention.py --engine [--dtype ...] [--rounds 3]
 
 Alone: block tables laid out as the engine lays out the n samples of each prompt (the prompt's full
@@ -11,6 +11,11 @@ modes in alternation; the median ms of the layers' calls per round for each. R: 
 attention shapes (9 query heads over 3 KV heads, head size 64, 30 layers), 32 prompts of 32-256
 tokens, n=4; S: bench-56m's (8 over 2, 8 layers), 16 prompts of 64-256 tokens, n=8. ``--n``: another
 number of samples per prompt (n=2: the job benchmark's).
+
+``--from-cache``: also the default mode with every layer's call on the first layer's cache (one
+layer's K/V, which stays in L2 / L3 between calls): the kernel's time with K/V from the caches,
+against the same calls with K/V from memory. What the first takes over the second is the wait on
+memory.
 
 ``--engine``: workload R through ``LLM.generate`` on ``models/bench-deep`` (built if missing), in
 one engine, alternating ``share="always"`` and the default, timing the decode kernel's calls in each
@@ -70,18 +75,23 @@ def alone(args: argparse.Namespace) -> None:
     q = torch.randn(len(ctx), heads, dim).to(dtype)
     out = torch.empty_like(q)
 
-    def one_round(share) -> float:
+    def one_round(share, layer_caches=caches) -> float:
         t0 = time.perf_counter()
-        for k, v in caches:
+        for k, v in layer_caches:
             cpu_attention.paged_decode(q, k, v, tables, ctx, dim**-0.5, out=out, share=share)
         return (time.perf_counter() - t0) * 1e3
 
-    for mode in MODES:
-        one_round(mode)
-    runs: dict = {mode: [] for mode in MODES}
+    modes = (*MODES, "cached") if args.from_cache else MODES
+
+    def timed(mode) -> float:  # "cached": the default mode, every call on the first layer's cache
+        return one_round(True, [caches[0]] * layers) if mode == "cached" else one_round(mode)
+
+    for mode in modes:
+        timed(mode)
+    runs: dict = {mode: [] for mode in modes}
     for _ in range(args.rounds):
-        for mode in MODES:
-            runs[mode].append(one_round(mode))
+        for mode in modes:
+            runs[mode].append(timed(mode))
     per_key = 2 * kvh * dim * caches[0][0].element_size()
     print(
         f"{args.workload} shapes, {args.dtype}, {len(ctx)} rows ({count} prompts x n={n}), {args.generated} "
@@ -89,6 +99,12 @@ def alone(args: argparse.Namespace) -> None:
     )
     for mode, label in zip(MODES, ('share="always"', "share=True (default)", "share=False"), strict=True):
         print(f"  {label}: median {statistics.median(runs[mode]):.2f} ms, best {min(runs[mode]):.2f} ms")
+    if args.from_cache:
+        cached, memory = statistics.median(runs["cached"]), statistics.median(runs[True])
+        print(
+            f"  share=True, every layer on the first layer's cache (K/V from L2 / L3): median {cached:.2f} ms, "
+            f"best {min(runs['cached']):.2f} ms; from memory {memory / cached:.2f}x that"
+        )
 
 
 def engine(args: argparse.Namespace) -> None:
@@ -149,6 +165,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engine", action="store_true", help="workload R in the engine instead")
+    ap.add_argument(
+        "--from-cache", action="store_true", help="also time every layer's call on one layer's cache"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
