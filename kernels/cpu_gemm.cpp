@@ -372,8 +372,9 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 // block of rows (up to kAmxChunkRows, x's rows staying in L2) on the pair's weights, which come
 // from memory once and from L1 / L2 for the pair's other row blocks; while it does, it prefetches
 // the next pair's weights into L2, spread over the K loop of the first row block. Rows past m in
-// a last partial block are zeros in a per-thread copy. The epilogue adds the bias and rounds as
-// block_bf16 does (gated: silu(gate) * up at cpu_ops.cpp's rounding points; O float: widened).
+// a last partial block are zeros in a per-thread copy, made once for all the pairs. The epilogue
+// adds the bias and rounds as block_bf16 does (gated: silu(gate) * up at cpu_ops.cpp's rounding
+// points; O float: widened).
 //
 // At the 64 rows of a decode step, where each step reads every weight from memory, this streams
 // the weights faster than oneDNN's AMX GEMM, whose per-call setup and blocking for large row counts
@@ -423,6 +424,13 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
     const int64_t mend = std::min(m, mc + kAmxChunkRows);
+    // the chunk's last block, where it is partial (not 16 rows), zero-padded once for every pair
+    const int64_t tail = (mend - mc) % 32, tail_row = mend - tail;
+    if (tail && tail != 16) {
+      pad.assign(static_cast<size_t>(32 * k), 0);
+      for (int64_t r = 0; r < tail; ++r)
+        std::memcpy(pad.data() + r * k, x + (tail_row + r) * ldx, k * sizeof(uint16_t));
+    }
     for (int64_t v = lo; v < hi; v += 2) {
       const int cols = hi - v >= 2 ? 2 : 1;
       const uint32_t* w0 = wp + v * vstride;
@@ -437,8 +445,6 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
         const uint16_t* a = x + mb * ldx;
         int64_t lda = ldx;
         if (rows < 32 && rows != 16) {
-          pad.assign(static_cast<size_t>(32 * k), 0);
-          for (int64_t r = 0; r < rows; ++r) std::memcpy(pad.data() + r * k, a + r * ldx, k * sizeof(uint16_t));
           a = pad.data();
           lda = k;
         }
