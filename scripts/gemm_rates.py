@@ -12,6 +12,9 @@ caches; the default repeats one weight, which then stays in L2 / L3).
 In bfloat16 on a CPU with AMX the kernel runs on AMX tiles (``kernels.cpu_gemm.amx``); ``--no-amx``
 times its dot-instruction path instead.
 
+``--peak`` first measures the float32 FMA peak of the threads (a C loop of independent vector FMAs,
+built here with gcc -O3 -march=native) and gives each float32 rate as a share of it.
+
 ``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
 engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel against the gated GEMM
 (``Linear.silu_mul``), and the LM head then ``.float()`` against the widened GEMM
@@ -60,6 +63,58 @@ def ms_per_call(fn, reps: int = 20) -> float:
     return best * 1e3
 
 
+PEAK_LOOP = r"""
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef float v16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+#define ACC 12 /* 12 zmm accumulators: more than the FMA latency x ports */
+#else
+#define ACC 5 /* 10 ymm: AVX2 has 16 registers */
+#endif
+int main(int argc, char** argv) {
+  const int threads = atoi(argv[1]);
+  const long iters = 20000000;
+  double best = 0;
+  for (int round = 0; round < 3; ++round) {
+    float sink = 0;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      v16 a[ACC], b = {0}, c = {0};
+      for (int i = 0; i < ACC; ++i) a[i] = (v16){0} + (float)(i + omp_get_thread_num());
+      b += 1.0000001f;
+      c += 1e-7f;
+      for (long it = 0; it < iters; ++it)
+        for (int i = 0; i < ACC; ++i) a[i] = a[i] * b + c; /* contracted to one FMA */
+      for (int i = 0; i < ACC; ++i) sink += a[i][0];
+    }
+    const double rate = 2.0 * 16 * ACC * iters * threads / (omp_get_wtime() - t0) / 1e9;
+    if (rate > best) best = rate;
+    if (sink == 1.0f) puts("");
+  }
+  printf("%f\n", best);
+  return 0;
+}
+"""
+
+
+def fma_peak(threads: int) -> float:
+    """GFLOP/s of ``threads`` threads doing nothing but independent float32 vector FMAs."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak")
+        with open(src, "w") as f:
+            f.write(PEAK_LOOP)
+        cc = ["gcc", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", src, "-o", exe]
+        subprocess.run(cc, check=True)
+        return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
+
+
 def fused(dt: torch.dtype, rows: list[int]) -> None:
     from kernels import cpu_ops  # noqa: PLC0415
 
@@ -105,6 +160,7 @@ def main() -> None:
         action="store_true",
         help="weights from memory, as in a model's step: each call on another of 256 MB of copies",
     )
+    ap.add_argument("--peak", action="store_true", help="also each float32 rate as a share of the FMA peak")
     ap.add_argument("--no-amx", action="store_true", help="the kernel's bf16 on its dot instruction, not AMX tiles")
     args = ap.parse_args()
     if args.no_amx:
@@ -116,6 +172,9 @@ def main() -> None:
     if args.fused:
         fused(dt, args.rows)
         return
+    peak = fma_peak(args.threads) if args.peak else None
+    if peak:
+        print(f"float32 FMA peak of {args.threads} threads: {peak:.0f} GFLOP/s")
     print(
         f"GFLOP/s, {args.dtype}, {args.threads} threads"
         + (", weights from memory" if args.cold else "")
@@ -135,7 +194,11 @@ def main() -> None:
                 layers[b] = None
         for m in args.rows:
             x = torch.randn(m, k, generator=gen).to(dt)
-            rates = [f"{gflops(group, x, n):.0f}" if group else "-" for group in layers.values()]
+            rates = []
+            for group in layers.values():
+                rate = gflops(group, x, n) if group else None
+                share = f" ({rate / peak:.0%})" if rate and peak and dt == torch.float32 else ""
+                rates.append(f"{rate:.0f}{share}" if rate else "-")
             print(f"| {n} x {k} | {m} | " + " | ".join(rates) + " |", flush=True)
 
 
