@@ -12,8 +12,9 @@ caches; the default repeats one weight, which then stays in L2 / L3).
 In bfloat16 on a CPU with AMX the kernel runs on AMX tiles (``kernels.cpu_gemm.amx``); ``--no-amx``
 times its dot-instruction path instead.
 
-``--peak`` first measures the float32 FMA peak of the threads (a C loop of independent vector FMAs,
-built here with gcc -O3 -march=native) and gives each float32 rate as a share of it.
+``--peak`` first measures the float32 FMA peak of the threads (a loop of independent vector FMAs,
+built here with the kernels' compiler, ``kernels.cpu.compiler``, at -O3 -march=native) and gives
+each float32 rate as a share of it.
 
 ``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
 engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel against the gated GEMM
@@ -24,7 +25,10 @@ engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel agai
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,8 +69,8 @@ def ms_per_call(fn, reps: int = 20) -> float:
 
 PEAK_LOOP = r"""
 #include <omp.h>
-#include <stdio.h>
-#include <stdlib.h>
+#include <cstdio>
+#include <cstdlib>
 typedef float v16 __attribute__((vector_size(64)));
 #ifdef __AVX512F__
 #define ACC 12 /* 12 zmm accumulators: more than the FMA latency x ports */
@@ -82,8 +86,8 @@ int main(int argc, char** argv) {
     const double t0 = omp_get_wtime();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
-      v16 a[ACC], b = {0}, c = {0};
-      for (int i = 0; i < ACC; ++i) a[i] = (v16){0} + (float)(i + omp_get_thread_num());
+      v16 a[ACC], b = {}, c = {};
+      for (int i = 0; i < ACC; ++i) a[i] = b + (float)(i + omp_get_thread_num());
       b += 1.0000001f;
       c += 1e-7f;
       for (long it = 0; it < iters; ++it)
@@ -92,7 +96,7 @@ int main(int argc, char** argv) {
     }
     const double rate = 2.0 * 16 * ACC * iters * threads / (omp_get_wtime() - t0) / 1e9;
     if (rate > best) best = rate;
-    if (sink == 1.0f) puts("");
+    if (sink == 1.0f) std::puts("");  // the sums are used: the loop is not optimized away
   }
   printf("%f\n", best);
   return 0;
@@ -102,17 +106,17 @@ int main(int argc, char** argv) {
 
 def fma_peak(threads: int) -> float:
     """GFLOP/s of ``threads`` threads doing nothing but independent float32 vector FMAs."""
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    from kernels.cpu import compiler  # noqa: PLC0415
 
+    cxx = compiler()
+    if cxx is None:
+        raise SystemExit("--peak needs a C++ compiler on PATH (g++, c++ or clang++; or set CXX)")
     with tempfile.TemporaryDirectory() as tmp:
-        src, exe = os.path.join(tmp, "peak.c"), os.path.join(tmp, "peak")
-        with open(src, "w") as f:
-            f.write(PEAK_LOOP)
-        cc = ["gcc", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", src, "-o", exe]
+        src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
+        src.write_text(PEAK_LOOP)
+        cc = [cxx, "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", str(src), "-o", str(exe)]
         subprocess.run(cc, check=True)
-        return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
+        return float(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout)
 
 
 def fused(dt: torch.dtype, rows: list[int]) -> None:
