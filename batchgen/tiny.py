@@ -40,6 +40,15 @@ ARCHITECTURE_NAMES = {
 }
 
 
+def _gpt_oss_swiglu_limit() -> float:
+    """1.0, low enough for gpt-oss's clamps to act on random weights; 7.0 (the value of every real
+    checkpoint) where the installed transformers fixes the clamp at 7.0 and ignores the config's
+    field (``GptOssConfig`` without ``swiglu_limit``), so that the model means the same to both."""
+    from transformers import GptOssConfig
+
+    return 1.0 if hasattr(GptOssConfig(), "swiglu_limit") else 7.0
+
+
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer (specials <pad>=0, <s>=1, </s>=2) with at most ``vocab_size`` entries."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -112,7 +121,7 @@ def _family_defaults(
             num_local_experts=4,
             sliding_window=12,
             layer_types=alternating,
-            swiglu_limit=1.0,  # low enough for the clamps to act on these weights
+            swiglu_limit=_gpt_oss_swiglu_limit(),
             rope_parameters=rope_parameters
             or {
                 "rope_type": "yarn",
@@ -228,12 +237,12 @@ BENCH_SHAPE: dict[str, Any] = dict(
 
 
 def make_bench_model(path: str | Path, max_positions: int = 4096) -> Path:
-    """WORKLOADS.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads
+    """docs/benchmarks.md "bench-56m": Llama, vocab 32000, hidden 512, 8 layers, 8 heads, 2 KV heads
     (``max_positions=32768``: workload L's long-context variant, the same weights)."""
     return make_model(path, "llama", seed=0, **{**BENCH_SHAPE, "max_positions": max_positions})
 
 
-# WORKLOADS.md "bench-1b" (workloads S-gpu / B-gpu): the shape of Llama-3.2-1B
+# docs/benchmarks.md "bench-1b" (workloads S-gpu / B-gpu): the shape of Llama-3.2-1B
 BENCH_1B_SHAPE: dict[str, Any] = dict(
     vocab_size=128256,
     hidden_size=2048,
@@ -249,7 +258,7 @@ BENCH_1B_SHAPE: dict[str, Any] = dict(
 
 
 def make_bench_1b_model(path: str | Path) -> Path:
-    """WORKLOADS.md "bench-1b": Llama, vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV heads."""
+    """docs/benchmarks.md "bench-1b": Llama, vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV heads."""
     return make_model(path, "llama", seed=0, **BENCH_1B_SHAPE)
 
 
@@ -267,13 +276,13 @@ DEEP_SHAPE: dict[str, Any] = dict(
 
 
 def make_bench_deep_model(path: str | Path) -> Path:
-    """WORKLOADS.md "R" (issue 17): a deep narrow Llama of a small chat model's shape, vocab 49152,
+    """docs/benchmarks.md "R": a deep narrow Llama of a small chat model's shape, vocab 49152,
     hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings."""
     return make_model(path, "llama", seed=0, **DEEP_SHAPE)
 
 
 def make_bench_moe_model(path: str | Path) -> Path:
-    """WORKLOADS.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
+    """docs/benchmarks.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
     2 KV heads, 16 experts of 384, top-4 (so 4 x 384 = 1536 active, bench-56m's MLP width)."""
     return make_model(
         path,

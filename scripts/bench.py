@@ -1,4 +1,4 @@
-"""Benchmarks of WORKLOADS.md (CPU): batchgen against transformers ``generate`` on the same model
+"""Benchmarks of docs/benchmarks.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
     python scripts/bench.py [S B P D M R] [--model models/bench-56m] [--moe-model models/bench-moe]
@@ -133,7 +133,7 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
             )
         )
     if "P2" in names or "P2-INPUT" in names:
-        # WORKLOADS.md P2: 8 few-shot prefixes of 768 tokens, 512 rows (a prefix and 32 own
+        # docs/benchmarks.md P2: 8 few-shot prefixes of 768 tokens, 512 rows (a prefix and 32 own
         # tokens), shuffled; a pool of two prefixes' blocks (2 x 48) plus a working set of 128
         prefixes = [rand_prompt(768) for _ in range(8)]
         prompts = [prefixes[i % 8] + rand_prompt(32) for i in range(512)]
@@ -306,12 +306,12 @@ def gemm_shapes(model_dir: str, rows: int = 128) -> list[tuple[int, int, int]]:
     return layer * c.num_hidden_layers + [(rows, c.vocab_size, d)]
 
 
-ATTENTION_MFLOP = 3.0  # WORKLOADS.md: bench-56m's 84 MFLOP per token = 2 x 40.5 M matmul parameters + 3
+ATTENTION_MFLOP = 3.0  # docs/benchmarks.md: bench-56m's 84 MFLOP per token = 2 x 40.5 M matmul parameters + 3
 
 
 def mflop_per_token(model_dir: str) -> float:
     """MFLOP per processed token: 2 x the active matmul parameters (for an MoE model only the
-    experts a token picks count) plus WORKLOADS.md's attention allowance (both bench models
+    experts a token picks count) plus docs/benchmarks.md's attention allowance (both bench models
     have bench-56m's attention shape)."""
     shapes = gemm_shapes(model_dir, rows=128)
     return sum(2 * r * n * k for r, n, k in shapes) / 128 / 1e6 + ATTENTION_MFLOP

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cpu_attention
+from batchgen_kernels import cpu_attention
 
 SHAPES = {  # kv heads, heads, head_dim, layers, prompts, prompt lengths, n
     "R": (3, 9, 64, 30, 32, (32, 256), 4),

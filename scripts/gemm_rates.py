@@ -9,11 +9,11 @@ experts' gate/up), gate/up, down and LM head, bench-moe's experts' down, bench-d
 call reads its weight from memory as the engine's steps do (a model's layers together outgrow the
 caches; the default repeats one weight, which then stays in L2 / L3).
 
-In bfloat16 on a CPU with AMX the kernel runs on AMX tiles (``kernels.cpu_gemm.amx``); ``--no-amx``
+In bfloat16 on a CPU with AMX the kernel runs on AMX tiles (``batchgen_kernels.cpu_gemm.amx``); ``--no-amx``
 times its dot-instruction path instead.
 
 ``--peak`` first measures the float32 FMA peak of the threads (a loop of independent vector FMAs,
-built here with the kernels' compiler, ``kernels.cpu.compiler``, at -O3 -march=native) and gives
+built here with the kernels' compiler, ``batchgen_kernels.cpu.compiler``, at -O3 -march=native) and gives
 each float32 rate as a share of it.
 
 ``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
 
 def fma_peak(threads: int) -> float:
     """GFLOP/s of ``threads`` threads doing nothing but independent float32 vector FMAs."""
-    from kernels.cpu import compiler  # noqa: PLC0415
+    from batchgen_kernels.cpu import compiler  # noqa: PLC0415
 
     cxx = compiler()
     if cxx is None:
@@ -120,7 +120,7 @@ def fma_peak(threads: int) -> float:
 
 
 def fused(dt: torch.dtype, rows: list[int]) -> None:
-    from kernels import cpu_ops  # noqa: PLC0415
+    from batchgen_kernels import cpu_ops  # noqa: PLC0415
 
     keep_freed_memory()
     gen = torch.Generator().manual_seed(0)
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--no-amx", action="store_true", help="the kernel's bf16 on its dot instruction, not AMX tiles")
     args = ap.parse_args()
     if args.no_amx:
-        from kernels import cpu_gemm
+        from batchgen_kernels import cpu_gemm
 
         cpu_gemm.amx(False)
     torch.set_num_threads(args.threads)

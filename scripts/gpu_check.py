@@ -8,7 +8,7 @@
 4. checks the engine paths that only exist on a GPU on a small float32 model: decode steps replayed
    through CUDA graphs against eager steps (same greedy tokens, time per step), swap preemption to
    pinned host memory against recompute (same tokens), and times the block swap;
-5. runs workloads S-gpu and B-gpu of WORKLOADS.md (bench-1b shape, random weights, bfloat16) for
+5. runs workloads S-gpu and B-gpu of docs/benchmarks.md (bench-1b shape, random weights, bfloat16) for
    batchgen and the transformers ``generate`` baseline;
 
 then prints one table and writes ``gpu_check.json`` to ``$OUT`` (or the current directory).
@@ -91,8 +91,8 @@ def attention_case(
     prefill = name.startswith("prefill")
     import triton.testing
 
-    from kernels.paged_attention import paged_attention
-    from kernels.reference import paged_attention_ref
+    from batchgen_kernels.paged_attention import paged_attention
+    from batchgen_kernels.reference import paged_attention_ref
 
     nb_per = cdiv(ctx_len, bs)
     num_blocks = seqs * nb_per + 8
@@ -171,9 +171,9 @@ ATTENTION_VARIANTS = {
 def check_small_kernels(bw: float, rows: list) -> None:
     import triton.testing
 
-    from kernels.block_ops import copy_blocks
-    from kernels.kv_write import write_kv
-    from kernels.reference import copy_blocks_ref
+    from batchgen_kernels.block_ops import copy_blocks
+    from batchgen_kernels.kv_write import write_kv
+    from batchgen_kernels.reference import copy_blocks_ref
 
     kvh, nb, bs, d, t = 8, 4096, 16, 128, 8192
     kc = torch.randn((kvh, nb, bs, d), device="cuda", dtype=torch.bfloat16)
@@ -212,7 +212,7 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
 
     from batchgen import LLM, SamplingParams
     from batchgen.tiny import make_bench_model
-    from kernels.swap import swap_blocks
+    from batchgen_kernels.swap import swap_blocks
 
     # block swap device -> pinned host -> device, all layers at once
     cache = torch.randn((16, 2, 8, 1024, 16, 128), device="cuda", dtype=torch.bfloat16)

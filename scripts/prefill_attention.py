@@ -14,7 +14,7 @@ import time
 import torch
 
 from batchgen.model.attention import CpuAttention, LayerAttention, PrefillChunk, TorchAttention
-from kernels.cpu_attention import amx_tiles, prefill
+from batchgen_kernels.cpu_attention import amx_tiles, prefill
 
 # (chunk tokens, context: cached positions + the chunk)
 SHAPES = [

@@ -1,6 +1,7 @@
-"""The import graph of ``batchgen`` and ``kernels``: no cycle between modules, and the layers import
-downwards only (``model/`` and ``kernels/`` never import ``engine/``, nothing below the job runner
-imports ``job/``). Every import counts, at module level or inside a function."""
+"""The import graph of ``batchgen`` and ``batchgen_kernels`` (the folder ``kernels/``): no cycle
+between modules, and the layers import downwards only (``model/`` and the kernels never import
+``engine/``, nothing below the job runner imports ``job/``). Every import counts, at module level or
+inside a function. And the import name ``kernels``, Hugging Face's kernel hub's, stays free."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("batchgen", "kernels")
+PACKAGES = {"batchgen": ROOT, "batchgen_kernels": ROOT / "kernels"}  # import name -> folder above it
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, base: Path) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def import_graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    modules = {module_name(p, base): p for pkg, base in PACKAGES.items() for p in (base / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -66,7 +67,7 @@ def test_no_import_cycle():
 def test_layers_import_downwards_only():
     forbidden = {
         "batchgen.model": ("batchgen.engine", "batchgen.job", "batchgen.llm"),
-        "kernels": ("batchgen.engine", "batchgen.job", "batchgen.llm", "batchgen.model"),
+        "batchgen_kernels": ("batchgen.engine", "batchgen.job", "batchgen.llm", "batchgen.model"),
         "batchgen.engine": ("batchgen.job", "batchgen.llm"),
         "batchgen.step": ("batchgen.engine", "batchgen.model"),
     }
@@ -78,3 +79,10 @@ def test_layers_import_downwards_only():
         if (mod == low or mod.startswith(low + ".")) and any(dep == a or dep.startswith(a + ".") for a in above)
     ]
     assert not wrong, wrong
+
+
+def test_no_top_level_kernels_module():
+    """``kernels/`` only holds the package ``batchgen_kernels``: a ``kernels/__init__.py`` (or a
+    ``kernels.py``) would shadow Hugging Face's ``kernels`` for every process started here."""
+    assert not (ROOT / "kernels" / "__init__.py").exists() and not (ROOT / "kernels.py").exists()
+    assert sorted(p.name for p in (ROOT / "kernels").iterdir() if p.name != "__pycache__") == ["batchgen_kernels"]

@@ -20,7 +20,7 @@ import torch
 
 from batchgen.engine.sequence import Sequence
 from batchgen.params import BeamSearchParams
-from kernels import cpu_beam
+from batchgen_kernels import cpu_beam
 
 NEG = -1.0e9
 FUSED_CPU_TOPK = True  # the compiled candidate step on CPU logits (False: the torch code, the reference)

@@ -207,9 +207,9 @@ def _sample_sorted(
 
 @functools.cache  # decided once per process: sample() asks every step
 def fused_kernels() -> ModuleType | None:
-    """``kernels.cpu_sampling`` where the compiled CPU kernels build, else None (torch code only)."""
+    """``batchgen_kernels.cpu_sampling`` where the compiled CPU kernels build, else None (torch code only)."""
     try:
-        from kernels import cpu, cpu_sampling  # noqa: PLC0415
+        from batchgen_kernels import cpu, cpu_sampling  # noqa: PLC0415
 
         cpu.load()
     except (ImportError, RuntimeError):
@@ -222,7 +222,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = Non
     applied, greedy rows by argmax, the others drawn from their tempered, truncated distribution;
     with the raw model log-probability of each pick (and the top ones where asked).
 
-    ``fused``: the full-vocabulary passes on the compiled CPU kernels (``kernels.cpu_sampling``);
+    ``fused``: the full-vocabulary passes on the compiled CPU kernels (``batchgen_kernels.cpu_sampling``);
     None: where they build and the logits are float32 on the CPU. The torch code is the reference."""
     x = _adjusted_logits(logits, rows)
     greedy_rows = [r.params.temperature == 0 for r in rows]
@@ -248,7 +248,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = Non
         # log p(token) = logit - logsumexp(logits): exact, nothing underflows
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
-    # Fused softmax kernels: several times faster than exp / sum passes of our own on the CPU.
+    # Fused softmax kernels rather than exp / sum passes of our own.
     probs = raw_probs = None
     if not all(greedy_rows):
         if x is logits and all(t == 1.0 for t in temps):

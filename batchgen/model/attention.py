@@ -99,7 +99,7 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Store each token's K/V ([T, kv_heads, head_dim]) in its slot of the head-major caches
-    (on the compiled CPU kernel where it runs: ``kernels.cpu_ops.kv_write``)."""
+    (on the compiled CPU kernel where it runs: ``batchgen_kernels.cpu_ops.kv_write``)."""
     if (ops := fused_cpu_ops(k, v, k_cache, v_cache)) is not None and slots.dtype == torch.int64:
         ops.kv_write(k, v, k_cache, v_cache, slots)
         return
@@ -149,12 +149,11 @@ def _prefill_after_context(
     """A prefill chunk after ``ctx - n`` cached positions (a later chunk of a long prompt, or the rest
     of a prompt after a cached prefix) on torch's CPU flash kernel, without a mask: the queries over
     the cached keys (every pair visible) and over their own keys (causal) are two calls, merged by
-    their log-sum-exps. With an [n, ctx] mask instead the kernel scores every pair, the masked
-    triangle included, and reads the mask (a 2,048-query chunk over 4,096 keys: 136 -> 100 ms)."""
+    their log-sum-exps. With an [n, ctx] mask instead the kernel would score every pair, the masked
+    triangle included, and read the mask."""
     n, ctx = q.shape[0], keys.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    # bfloat16 runs in bfloat16 on a CPU with AMX, where the kernel's products run on AMX tiles (a
-    # 2,048-token chunk over 8,192 keys: 153 ms in float32, 52 in bfloat16, at bench-56m's shapes);
+    # bfloat16 runs in bfloat16 on a CPU with AMX, where the kernel's products run on AMX tiles;
     # elsewhere in float32 throughout (the kernel is no faster in bfloat16 there), so that bfloat16
     # outputs are rounded once, after the merge
     dt = torch.bfloat16 if q.dtype == torch.bfloat16 and utils.has_amx() else torch.float32
@@ -263,7 +262,7 @@ class TorchAttention:
                 mask &= kpos > qpos - window
         if layer.softcap is None and layer.sinks is None:
             # 4-D inputs (a batch of one): torch's CPU flash-attention kernel takes only those;
-            # 3-D ones run the unfused math path, 4-6x slower here and holding every score at once
+            # 3-D ones run the unfused math path, which is slower and holds every score at once
             o = F.scaled_dot_product_attention(
                 qh[None],
                 keys[None],
@@ -285,28 +284,24 @@ class TorchAttention:
 
 class CpuAttention(TorchAttention):
     """The torch backend with its decode rows on the compiled CPU kernel
-    (``kernels.cpu_attention.paged_decode``): each row's keys and values read in place from the
+    (``batchgen_kernels.cpu_attention.paged_decode``): each row's keys and values read in place from the
     paged caches, one online softmax, no gathered copies. The runner gives decode rows as per-row
     block tables (``decode_rows``), not shared-prefix groups. Prefill chunks of plain causal layers
-    run on the compiled prefill kernel (``kernels.cpu_attention.prefill``), others as in the torch
+    run on the compiled prefill kernel (``batchgen_kernels.cpu_attention.prefill``), others as in the torch
     backend."""
 
     decode_rows = True
-    # float32 chunks over longer contexts keep torch's flash kernel: per layer at bench-56m's
-    # shapes the kernel took 0.19 / 3.55 / 11.5 / 44.1 ms for 128 / 512 / 1,024 / 2,048-token
-    # prompts against torch's 0.46 / 4.97 / 13.8 / 45.1, and 282 against 254 ms for 2,048 tokens
-    # after 6,144 cached (FMA products run at half the bf16 dot instruction's rate).
+    # float32 chunks over longer contexts keep torch's flash kernel, which is as fast or faster
+    # there (FMA products run at half the bf16 dot instruction's rate; docs/kernels.md, "Thresholds").
     F32_PREFILL_MAX_CONTEXT = 2048
     # bfloat16 chunks on AMX tiles while one kv head's keys and values (context x head_dim x 2 x 2
-    # bytes) fit in a core's L2: every block of 16 / group positions reads them again. Per layer at
-    # bench-56m's shapes on 2 cores, against torch's flash kernel (on AMX tiles too): 32 tokens after
-    # 512 cached 0.068 vs 0.236 ms, a 544-token prompt 0.71 vs 0.80, 2,048 after 6,144 cached 42.9
-    # vs 45.6; 2,048 after 14,336 cached 114 vs 80 (past this limit).
+    # bytes) fit in a core's L2: every block of 16 / group positions reads them again; past that,
+    # torch's flash kernel (on AMX tiles too) is faster (docs/kernels.md, "Thresholds").
     AMX_PREFILL_MAX_KV = 8192 * 64
 
     def __init__(self) -> None:
         super().__init__()
-        from kernels.cpu_attention import load, paged_decode, prefill, prefill_chunks  # noqa: PLC0415
+        from batchgen_kernels.cpu_attention import load, paged_decode, prefill, prefill_chunks  # noqa: PLC0415
 
         load()  # builds the library on first use; KernelUnavailable where it cannot
         self._paged_decode = paged_decode
@@ -316,8 +311,8 @@ class CpuAttention(TorchAttention):
 
     def _prefills(self, q, k_cache, v_cache, chunks, layer, out):
         """bfloat16 chunks on AMX tiles (``AMX_PREFILL_MAX_KV``) all in one kernel call per layer,
-        where a step has several (a batch of prompts after a cached prefix: 64 chunks of 32 tokens
-        after 512 cached: 50 -> 40 ms over bench-56m's 8 layers); the others one at a time."""
+        where a step has several (a batch of prompts after a cached prefix); the others one at a
+        time."""
         if len(chunks) > 1 and q.dtype == torch.bfloat16 and _plain_causal(layer) and utils.has_amx():
             batch, others = self._amx_batch(chunks, q.shape[-1])
             if batch is not None:
@@ -353,9 +348,8 @@ class CpuAttention(TorchAttention):
         is no faster in bf16 than in float32 without AMX; float32 on FMA products up to
         ``F32_PREFILL_MAX_CONTEXT`` positions), where it runs; else the torch path. bfloat16 on a
         CPU with AMX runs on the kernel's AMX tiles up to ``AMX_PREFILL_MAX_KV``, and on torch's
-        flash kernel past it, whose products run on AMX tiles too there: 2.2-4.5x the dot
-        instruction's kernel (a 2,048-token prompt 9.2 vs 28.7 ms per layer, a 2,048-token chunk
-        over 16,384 keys 106 vs 480, at bench-56m's shapes on 2 cores)."""
+        flash kernel past it, whose products run on AMX tiles too there and are faster than the dot
+        instruction's kernel."""
         amx_bf16 = q.dtype == torch.bfloat16 and utils.has_amx()
         if amx_bf16 and _plain_causal(layer) and chunk.context_len * q.shape[-1] <= self.AMX_PREFILL_MAX_KV:
             out = self._prefill_kernel(
@@ -393,14 +387,14 @@ def make_backend(name: str, device: torch.device, shape: CacheShape) -> Attentio
     CPU where it builds and takes the model's shapes, else the torch backend."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
-            from kernels.backend import TritonAttention  # noqa: PLC0415
+            from batchgen_kernels.backend import TritonAttention  # noqa: PLC0415
         except ImportError as e:
             if name == "triton":
                 raise ValueError(f"attention_backend='triton' needs the triton package: {e}") from e
         else:
             return TritonAttention()
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        from kernels.cpu_attention import KernelUnavailable, supports  # noqa: PLC0415
+        from batchgen_kernels.cpu_attention import KernelUnavailable, supports  # noqa: PLC0415
 
         why = (
             "it runs on the CPU only"

@@ -8,17 +8,17 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# The compiled CPU kernels for the elementwise steps below (kernels/cpu_ops.py), where they build;
+# The compiled CPU kernels for the elementwise steps below (kernels/batchgen_kernels/cpu_ops.py), where they build;
 # the torch code here is their reference and fallback. False: the torch code everywhere (and no
 # SwiGLU in the GEMM kernel's pass: models loaded then pack their gate_up layers plain).
 FUSED_CPU_OPS = True
 
 
 def fused_cpu_ops(*tensors: torch.Tensor) -> ModuleType | None:
-    """``kernels.cpu_ops`` where its compiled kernels take these tensors (and are switched on)."""
+    """``batchgen_kernels.cpu_ops`` where its compiled kernels take these tensors (and are switched on)."""
     if not FUSED_CPU_OPS or tensors[0].device.type != "cpu":
         return None
-    from kernels import cpu_ops  # noqa: PLC0415
+    from batchgen_kernels import cpu_ops  # noqa: PLC0415
 
     return cpu_ops if cpu_ops.takes(*tensors) else None
 

@@ -1,7 +1,7 @@
 """Linear layers with weights packed once at load time.
 
 On the CPU, float32 and bfloat16 weights are packed for the compiled GEMM kernel
-(``kernels/cpu_gemm.cpp``: 16-column vectors, a 6-row x 64-column register block; 3 rows x 32
+(``kernels/batchgen_kernels/cpu_gemm.cpp``: 16-column vectors, a 6-row x 64-column register block; 3 rows x 32
 columns on AVX2), which runs the row counts of inference (1-256 rows per call) at 340-450 GFLOP/s
 in bf16 and 185-225 in float32 on 2 cores, where oneDNN's packed GEMM reaches 100-330 and 80-180
 below 64 rows. bfloat16 on a CPU with AMX (Intel Sapphire Rapids and later) runs in the same
@@ -31,23 +31,23 @@ import torch.nn.functional as F
 from batchgen import utils
 
 if TYPE_CHECKING:
-    from kernels.cpu_gemm import PackedWeight
+    from batchgen_kernels.cpu_gemm import PackedWeight
 
 # The packed layout is tuned for a batch size; any batch size runs with it.
 _PACK_HINT_ROWS = 128
 # oneDNN compiles and caches a kernel per GEMM shape (about 1 MB each), so the row counts it sees
 # are kept to a fixed set: a call is cut into pieces of at most 2,048 rows, and a piece's rows are
 # padded up to the next size of this list (at most 7 rows more up to 64, at most 25% more above).
-# Prefill chunks take the sizes above 256: on AMX a 2,048-row call ran bench-56m's projections
-# 1.3-2.1x faster than eight 256-row pieces and their concatenation.
+# Prefill chunks take the sizes above 256: one large call is faster than several small pieces and
+# their concatenation (docs/kernels.md, "Thresholds").
 _ROW_SIZES: tuple[int, ...] = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 _ROW_SIZES += (320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 _MAX_ROWS = _ROW_SIZES[-1]
 _PAD_TO = [next(s for s in _ROW_SIZES if s >= m) for m in range(_MAX_ROWS + 1)]
 # From this many rows (prefill chunks) a bf16 layer on the kernel's AMX tiles runs through
-# ``F.linear`` instead (MKL's AMX GEMM on the layer's own weight, no second copy): 1.2-1.6x the
-# tiles on bench-56m's projections at 2,048 rows; below about 1,024 rows the tiles are as fast or
-# faster. A gated layer's fused ``silu_mul`` stays on the tiles (it saves the SwiGLU's pass).
+# ``F.linear`` instead (MKL's AMX GEMM on the layer's own weight, no second copy), which is faster
+# there; below about 1,024 rows the tiles are as fast or faster (docs/kernels.md, "Thresholds").
+# A gated layer's fused ``silu_mul`` stays on the tiles (it saves the SwiGLU's pass).
 _TORCH_FROM_ROWS = 1536
 
 
@@ -70,7 +70,7 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
             f"{torch.backends.mkldnn.is_available()})"
         )
     if setting == "cpu":
-        from kernels.cpu import available  # noqa: PLC0415
+        from batchgen_kernels.cpu import available  # noqa: PLC0415
 
         if not (cpu and available()):
             raise ValueError(
@@ -85,8 +85,8 @@ def backends_for(setting: str, device: torch.device, dtype: torch.dtype) -> list
 
 
 def _kernel_amx() -> bool:
-    """Whether the compiled kernel runs bfloat16 GEMMs on AMX tiles here (``kernels.cpu_gemm.amx``)."""
-    from kernels.cpu_gemm import amx  # noqa: PLC0415
+    """Whether the compiled kernel runs bfloat16 GEMMs on AMX tiles here (``batchgen_kernels.cpu_gemm.amx``)."""
+    from batchgen_kernels.cpu_gemm import amx  # noqa: PLC0415
 
     return amx()
 
@@ -194,7 +194,7 @@ def _pack_for_kernel(
 ) -> PackedWeight | None:
     """The weight packed for the compiled kernel (gated where asked and its shape allows, else
     plain), checked on a probe; None where it does not run."""
-    from kernels import cpu_gemm  # noqa: PLC0415
+    from batchgen_kernels import cpu_gemm  # noqa: PLC0415
 
     packed = (cpu_gemm.pack(weight, bias, gated=True) if gated else None) or cpu_gemm.pack(weight, bias)
     if packed is None:

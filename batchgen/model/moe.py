@@ -2,7 +2,7 @@
 
 The router picks ``top_k`` experts per token. Where the compiled GEMM kernel packed every expert
 (SwiGLU experts, ``gate_up`` gated), the routed experts run as one kernel call a layer
-(``kernels.cpu_gemm.PackedExperts``: the pairs sorted by expert, each expert's two GEMMs over its
+(``batchgen_kernels.cpu_gemm.PackedExperts``: the pairs sorted by expert, each expert's two GEMMs over its
 rows, the weighted sum per token in float32). Otherwise tokens are grouped by expert with one stable
 sort of the (token, expert) pairs, each expert runs one GEMM pair over all of its tokens, and the
 weighted outputs are scattered back with one ``index_add_``: the only Python loop is over experts.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.linear import Linear
-from kernels.cpu_gemm import PackedExperts
+from batchgen_kernels.cpu_gemm import PackedExperts
 
 
 @dataclass

@@ -31,7 +31,7 @@ from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.malloc import keep_freed_memory
 from batchgen.step import Chunk, CopyPair, StepBatch, StepResult
 from batchgen.utils import cdiv
-from kernels.swap import swap_blocks
+from batchgen_kernels.swap import swap_blocks
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -198,7 +198,7 @@ class ModelRunner:
         src = torch.tensor(src_ids, device=self.device)
         dst = torch.tensor(dst_ids, device=self.device)
         if self.per_token_layout:
-            from kernels.block_ops import copy_blocks
+            from batchgen_kernels.block_ops import copy_blocks
 
             copy_blocks(self.kv_cache, src, dst)
         else:

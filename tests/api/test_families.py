@@ -124,12 +124,15 @@ def test_sampled_logprobs_match_transformers(family_dirs, arch):
 
 
 BEAMS = [(1, 1.0, False), (4, 1.0, True), (4, 0.5, "never"), (8, 2.0, False), (8, -0.5, True)]
+# Each family's beam prompts: its own and the next family's, the same whatever tests ran before.
+BEAM_PROMPTS = [[_rng.randrange(3, 24) for _ in range(19)] for _ in FAMILY_ARCHS]
 
 
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_beam_matches_transformers(beam_family_dirs, arch):
     path = beam_family_dirs[arch]
-    prompts = [[1, 5, 6, 7], [_rng.randrange(3, 24) for _ in range(19)]]
+    i = FAMILY_ARCHS.index(arch)
+    prompts = [[1, 5, 6, 7], BEAM_PROMPTS[i], BEAM_PROMPTS[(i + 1) % len(FAMILY_ARCHS)]]
     roomy = LLM(path, dtype="float32", device="cpu", debug_checks=True, block_size=8)
     tight = LLM(
         path, dtype="float32", device="cpu", debug_checks=True, block_size=8, num_kv_blocks=18, max_num_batched_tokens=12

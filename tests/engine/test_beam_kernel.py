@@ -1,4 +1,4 @@
-"""The compiled beam candidate step (``kernels/cpu_beam.cpp``) against the torch code it replaces
+"""The compiled beam candidate step (``kernels/batchgen_kernels/cpu_beam.cpp``) against the torch code it replaces
 (``log_softmax``, the running scores added, ``topk`` over each group's k x vocab scores), and beam
 search in the engine with the kernel on and off.
 
@@ -17,7 +17,7 @@ import torch
 
 from batchgen import LLM, BeamSearchParams
 from batchgen.engine import beam
-from kernels import cpu, cpu_beam
+from batchgen_kernels import cpu, cpu_beam
 from tests.api.test_beam import PROMPTS, hf_beam
 
 if cpu.compiler() is None:

@@ -9,7 +9,7 @@ import torch
 
 from batchgen.engine.sampler import SampleRow, fused_kernels, sample, uniform, uniforms
 from batchgen.params import SamplingParams
-from kernels import cpu
+from batchgen_kernels import cpu
 
 # Only a machine without any C++ compiler runs the torch code alone (a failed build fails below).
 FUSED = [False, True] if cpu.compiler() is not None else [False]
@@ -116,7 +116,7 @@ def test_logprob_of_a_token_whose_probability_underflows(fused):
 def test_fused_passes_equal_the_torch_ones():
     """tempered_softmax and mass_above against torch on a vocabulary that is not a multiple of 16,
     with blocked (-inf) tokens and penalized logits that differ from the raw ones."""
-    from kernels.cpu_sampling import mass_above, tempered_softmax
+    from batchgen_kernels.cpu_sampling import mass_above, tempered_softmax
 
     gen = torch.Generator().manual_seed(5)
     raw = torch.randn(6, 1000 + 7, generator=gen) * 4
@@ -143,7 +143,7 @@ def test_fused_passes_equal_the_torch_ones():
 def test_greedy_pick_is_argmax_and_logsumexp():
     """The all-greedy pass against torch.argmax (first of equal maxima, whichever lanes and tail
     they fall in) and logsumexp of the raw logits, on a vocabulary that is not a multiple of 16."""
-    from kernels.cpu_sampling import greedy_pick
+    from batchgen_kernels.cpu_sampling import greedy_pick
 
     gen = torch.Generator().manual_seed(3)
     raw = torch.randn(9, 1000 + 7, generator=gen) * 4
@@ -194,7 +194,7 @@ def test_one_pass_sampler_draws_what_the_torch_one_draws():
     rows, temperatures above and below 1, blocked tokens, a vocabulary that is not a multiple of 16,
     and top-p rows whose nucleus is so small that every rejection round fails (settled by sorting,
     as the torch code does)."""
-    from kernels.cpu_sampling import sample_rows
+    from batchgen_kernels.cpu_sampling import sample_rows
 
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(96, 5003, generator=gen) * 2

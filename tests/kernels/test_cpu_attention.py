@@ -1,4 +1,4 @@
-"""The compiled CPU decode attention (``kernels/cpu_attention.cpp``) against the torch reference:
+"""The compiled CPU decode attention (``kernels/batchgen_kernels/cpu_attention.cpp``) against the torch reference:
 both of its code paths (the 16-key vector path for head_dim 64 / 128 with at most 8 query heads
 per kv head and block sizes that are multiples of 16, and the general loop for the rest), float32
 and bfloat16 caches, contexts ending on and off block boundaries, sliding windows, soft-capping and
@@ -12,9 +12,9 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.model.attention import CacheShape, CpuAttention, make_backend
-from kernels import cpu
-from kernels.cpu_attention import amx_tiles, bf16_dot_products, paged_decode, supports
-from kernels.reference import paged_attention_ref
+from batchgen_kernels import cpu
+from batchgen_kernels.cpu_attention import amx_tiles, bf16_dot_products, paged_decode, supports
+from batchgen_kernels.reference import paged_attention_ref
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
 if cpu.compiler() is None:

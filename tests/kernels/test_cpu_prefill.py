@@ -1,4 +1,4 @@
-"""The compiled prefill attention (``kernels/cpu_prefill.cpp``), bfloat16 and float32, against a
+"""The compiled prefill attention (``kernels/batchgen_kernels/cpu_prefill.cpp``), bfloat16 and float32, against a
 float64 reference and against torch's own kernel on the same inputs: chunks from the start of a
 sequence and after cached positions, contexts on and off tile and block boundaries, 1 to 16 query
 heads per kv head, head_dim 64 and 128, block sizes 8 to 32, scrambled block tables whose unused
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams, utils
 from batchgen.model.attention import CpuAttention, TorchAttention
-from kernels import cpu
-from kernels.cpu_attention import amx_tiles, prefill, prefill_chunks
+from batchgen_kernels import cpu
+from batchgen_kernels.cpu_attention import amx_tiles, prefill, prefill_chunks
 
 # Only a machine without any C++ compiler skips these; a compiler that fails to build them fails them.
 if cpu.compiler() is None:
@@ -210,7 +210,7 @@ def test_engine_on_the_prefill_kernel_matches_the_torch_path(head64_dir, monkeyp
     (this random model's top two tokens within 0.05 nats, which that rounding can flip: the kernel's
     token is the torch path's runner-up by at most that), after which its tokens are not compared;
     most tokens must still agree."""
-    import kernels.cpu_attention as ca
+    import batchgen_kernels.cpu_attention as ca
 
     dtype, amx = path
     calls, batches = [], []

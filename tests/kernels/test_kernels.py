@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.block_ops import copy_blocks, swap_blocks  # noqa: E402
-from kernels.kv_write import write_kv  # noqa: E402
-from kernels.paged_attention import choose_splits, paged_attention  # noqa: E402
-from kernels.reference import copy_blocks_ref, paged_attention_ref, write_kv_ref  # noqa: E402
+from batchgen_kernels.block_ops import copy_blocks, swap_blocks  # noqa: E402
+from batchgen_kernels.kv_write import write_kv  # noqa: E402
+from batchgen_kernels.paged_attention import choose_splits, paged_attention  # noqa: E402
+from batchgen_kernels.reference import copy_blocks_ref, paged_attention_ref, write_kv_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -176,10 +176,10 @@ def test_wrappers_reject_bad_shapes_and_dtypes():
 
 BEYOND_INT32 = r"""
 import torch
-from kernels.block_ops import copy_blocks
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
+from batchgen_kernels.block_ops import copy_blocks
+from batchgen_kernels.kv_write import write_kv
+from batchgen_kernels.paged_attention import paged_attention
+from batchgen_kernels.reference import paged_attention_ref
 
 gen = torch.Generator().manual_seed(0)
 # copy_blocks: plane 8 of 9 starts past 2**31 bytes (pages never touched are never allocated)

@@ -1,4 +1,4 @@
-"""The compiled elementwise kernels (``kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings,
+"""The compiled elementwise kernels (``kernels/batchgen_kernels/cpu_ops.cpp``: RMSNorm, SwiGLU, rotary embeddings,
 the KV-cache store, block copies and zeroing)
 against the torch code they replace (``batchgen.model.layers``, ``batchgen.model.moe``), in
 float32 and bfloat16, on contiguous and strided inputs; and an engine with them switched off
@@ -19,8 +19,8 @@ from batchgen.model import layers
 from batchgen.model.attention import write_kv
 from batchgen.model.layers import apply_rotary, rms_norm
 from batchgen.model.moe import swiglu
-from kernels import cpu, cpu_ops
-from kernels.reference import write_kv_ref
+from batchgen_kernels import cpu, cpu_ops
+from batchgen_kernels.reference import write_kv_ref
 
 if cpu.compiler() is None:
     pytest.skip("no C++ compiler: the model keeps the torch code", allow_module_level=True)

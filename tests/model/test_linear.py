@@ -12,7 +12,7 @@ from batchgen import LLM, SamplingParams, utils
 from batchgen.config import EngineConfig
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.malloc import keep_freed_memory
-from kernels import cpu, cpu_gemm
+from batchgen_kernels import cpu, cpu_gemm
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 # oneDNN's bf16 GEMM needs AVX-512 (or AMX / AVX2-VNNI-2); elsewhere a bf16 layer falls back to F.linear
@@ -155,7 +155,7 @@ def test_kernel_linear_bfloat16(rows, n, bf16_path):
 def test_kernel_with_and_without_the_next_panels_prefetch(dtype, rows, k, bf16_path):
     if not kernel_runs(dtype):
         pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
-    from kernels import cpu_ops
+    from batchgen_kernels import cpu_ops
 
     gen = torch.Generator().manual_seed(rows + k)
     n = 384
@@ -186,7 +186,7 @@ def test_gated_kernel_gives_silu_of_gate_times_up(dtype, rows, n, bf16_path):
     4-vector block and a 2-vector one), five (split unevenly over two threads)."""
     if not kernel_runs(dtype):
         pytest.skip(f"no compiled GEMM kernel for {dtype} on this CPU")
-    from kernels import cpu_ops
+    from batchgen_kernels import cpu_ops
 
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     k = 64

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -86,19 +84,3 @@ def test_errors_name_what_is_wrong(tmp_path, llama_dir):
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="cannot read weights file"):
         LLM(str(corrupt))
-
-
-def test_transformers_still_loads_models_with_batchgen_installed(llama_dir):
-    """batchgen ships a top-level ``kernels`` package; transformers must not mistake it for the
-    Hugging Face ``kernels`` hub package."""
-    code = (
-        "import batchgen, kernels, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "assert not is_kernels_available()\n"
-        f"m = AutoModelForCausalLM.from_pretrained({llama_dir!r})\n"
-        "print(m(torch.tensor([[1, 2, 3]])).logits.shape)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "torch.Size([1, 3, 384])" in res.stdout

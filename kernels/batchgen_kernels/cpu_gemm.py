@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import available, load
-from kernels.cpu_ops import DTYPE_SUFFIX
+from batchgen_kernels.cpu import available, load
+from batchgen_kernels.cpu_ops import DTYPE_SUFFIX
 
 
 def amx(on: bool | None = None) -> bool:

@@ -13,7 +13,7 @@
 //
 // Without AMX, torch's CPU flash kernel runs at about the same speed in bfloat16 as in float32 (its
 // own blocked GEMMs); this one runs at the dot instruction's rate in bf16. With AMX torch's kernel
-// runs bf16 on AMX tiles, 2.2-4.5x this one: there bf16 chunks run on AMX tiles here too
+// runs bf16 on AMX tiles, several times faster than this one: there bf16 chunks run on AMX tiles too
 // (prefill_bf16_amx, below, on cpu_amx.h's routine) while a kv head's keys and values fit in L2,
 // and on torch's kernel past that (CpuAttention._prefill).
 // Softmax statistics and accumulation are float32; in bf16 the weights are rounded to bf16 before

@@ -1,4 +1,4 @@
-"""Decode attention on the compiled CPU kernel (``cpu_attention.cpp``, built by ``kernels.cpu``) and
+"""Decode attention on the compiled CPU kernel (``cpu_attention.cpp``, built by ``batchgen_kernels.cpu``) and
 the attention backend that uses it.
 
 The kernel reads each decode row's keys and values in place from the paged caches and runs an
@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from kernels.cpu import KernelUnavailable, load
+from batchgen_kernels.cpu import KernelUnavailable, load
 
 __all__ = [
     "KernelUnavailable",

@@ -4,8 +4,8 @@ runs under ``TRITON_INTERPRET=1``, which is how its parity with the torch backen
 
 from __future__ import annotations
 
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
+from batchgen_kernels.kv_write import write_kv
+from batchgen_kernels.paged_attention import paged_attention
 
 
 class TritonAttention:

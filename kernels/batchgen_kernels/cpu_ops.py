@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import available, load
+from batchgen_kernels.cpu import available, load
 
 # the kernels' name suffix per dtype (cpu_gemm uses it too)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -153,7 +153,7 @@ def independent(src: list[int], dst: list[int]) -> bool:
 def copy_blocks(cache: torch.Tensor, src: list[int], dst: list[int]) -> None:
     """``cache[..., dst[i], :, :] = cache[..., src[i], :, :]`` for every leading index (layer, K / V,
     kv head), one memcpy per block and plane: the runner's copy-on-write copies, which torch's
-    advanced-index assignment runs as a gather into a temporary and a scatter (2x the time).
+    advanced-index assignment runs as a gather into a temporary and a scatter.
     The copies must be independent: no block is written twice or both written and read."""
     if not src:
         return

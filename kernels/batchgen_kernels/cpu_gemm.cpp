@@ -1,11 +1,9 @@
 // Linear layers on the CPU: y = x @ W^T + bias for float32 and bfloat16 weights packed once at load
 // time, for the row counts inference runs (a decode step's 1-256 rows; prefill in any count).
 //
-// oneDNN's packed GEMM reaches 400-430 GFLOP/s in bf16 and ~215 in float32 on 2 cores at 256 rows,
-// but 100-330 (bf16) and 80-180 (float32) at the 8-64 rows of beam search's decode steps and of
-// the experts of a mixture-of-experts layer (per-call setup, blocking for large rows). This kernel
-// is one register-blocked loop that runs at 340-450 GFLOP/s in bf16 and 185-225 in float32 from 8
-// rows up on bench-56m's shapes:
+// oneDNN's packed GEMM slows down at the 8-64 rows of beam search's decode steps and of the experts
+// of a mixture-of-experts layer (per-call setup, blocking for large rows). This kernel is one
+// register-blocked loop that keeps its rate from 8 rows up (rates in docs/kernels.md):
 //
 //   W packed by 16 output columns ("a column vector"): float32 [N/16][K][16]; bfloat16
 //   [N/16][K/2][16][2] (pairs of K inside each 32-bit lane, the layout of AVX-512 BF16's dot
@@ -24,7 +22,7 @@
 //   Weights stream: a model's layers together outgrow the caches, so each step reads every panel
 //   from memory. While a panel's row blocks compute, each prefetches its share of the next panel's
 //   lines into L2 (where both panels and the rows fit there), so that the next panel's first row
-//   block does not wait on memory: 1.1-1.3x at 8-64 rows on weights not in cache.
+//   block does not wait on memory.
 //
 // Threads take contiguous ranges of column vectors (no reduction across threads). Accumulation is
 // float32 from the bias (float32); the bf16 output is rounded to nearest even, as oneDNN and
@@ -258,8 +256,8 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k, i
 // low half the second, exactly. So per K pair, one pass over the C x 2 registers' worth of columns
 // with the first K value's broadcasts, then one with the second's (the same cache lines, from L1),
 // so that 12 accumulators, 3 broadcasts and one weight register could fit the 16 registers (GCC
-// hoists both passes' broadcasts and spills a few accumulators; 36-47 GFLOP/s on a Zen 1, against
-// about 70 in float32). Products of bf16 values
+// hoists both passes' broadcasts and spills a few accumulators, so this runs below the float32
+// path's rate). Products of bf16 values
 // are exact in float32, so this sums the same products as the dot instruction; the output is
 // rounded once to bf16 (gated: at cpu_ops.cpp's rounding points).
 template <int R, int C, typename O, bool Gated, bool Pf>
@@ -378,7 +376,7 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 //
 // At the 64 rows of a decode step, where each step reads every weight from memory, this streams
 // the weights faster than oneDNN's AMX GEMM, whose per-call setup and blocking for large row counts
-// leave bench-56m's projections at 6-20 GB/s of weights (scripts/gemm_rates.py --cold).
+// slow it there (scripts/gemm_rates.py --cold measures both).
 constexpr int64_t kAmxChunkRows = 256;
 
 template <typename O, bool Gated>

@@ -9,7 +9,7 @@
 // (attend_shared: one work item per pack of rows and kv head; for bfloat16 on a CPU with AMX,
 // amx_attend on tiles, cpu_amx.h), and each row's item goes on from the pack's softmax state.
 //
-// Built at first use by kernels/cpu.py; the torch backend is the reference it is tested
+// Built at first use by kernels/batchgen_kernels/cpu.py; the torch backend is the reference it is tested
 // against (tests/kernels/test_cpu_attention.py).
 
 #include <algorithm>
@@ -654,10 +654,9 @@ bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v,
 // The fewest rows of a pack that attend_shared takes under share 1 (on AMX tiles: 2, see decode).
 // Its cost per key is that of all 16 lanes whatever the pack fills; the per-row pass costs about 1/12 of it per lane (query
 // head of a row), and reads the rows' shared blocks from cache after the first (consecutive rows
-// run on one thread). At 12 lanes the two were level or the shared pass up to 20% slower
-// (float32, workload R's 3 query heads per kv head over n=4 samples, and 4 per kv head over n=3),
-// at 16 lanes the shared pass was 13-20% faster (4 per kv head, n=4 and n=8): see
-// scripts/decode_attention.py. At least 2 for the groups the vector path takes (up to 8).
+// run on one thread), so the shared pass pays only where it fills more than 12 of its 16 lanes
+// (scripts/decode_attention.py compares the two; docs/kernels.md has the figures). At least 2 for
+// the groups the vector path takes (up to 8).
 inline int64_t min_pack_rows(int64_t group) { return (kLanes * 3 / 4) / group + 1; }
 
 // share: 0 for one row at a time; 1 to run rows that share their first blocks together

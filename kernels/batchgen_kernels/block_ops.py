@@ -1,5 +1,5 @@
 """Block copy for copy-on-write: every pair of a step over every layer in one launch. (The swap
-between device and host caches is ``kernels.swap.swap_blocks``, plain torch.)"""
+between device and host caches is ``batchgen_kernels.swap.swap_blocks``, plain torch.)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.swap import swap_blocks  # noqa: F401 - re-exported
+from batchgen_kernels.swap import swap_blocks  # noqa: F401 - re-exported
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import available, load
+from batchgen_kernels.cpu import available, load
 
 
 def takes(logits: torch.Tensor) -> bool:

@@ -117,10 +117,9 @@ constexpr int kAmxLanes = 16;
 //
 // The lazy maximum costs accuracy: with the exact one the largest weight of a tile is 1, exact in
 // bf16, and in a peaked softmax it carries most of the output; a lagging maximum rounds it like
-// the rest. On the decode kernel's test batches the mean error grew by 10-20% and the largest by up
-// to 2x (the dot instruction's pass: the same as exact rescaling here), for no measurable speed;
-// on prefill chunks, where it saves 15-20%, the error stays within the bounds the kernels are held
-// to against torch's flash kernel (tests/kernels/test_cpu_prefill.py).
+// the rest. Decode keeps the exact maximum (the lazy one raised its error and saved no time);
+// prefill chunks take the lazy one, which saves time there, and their error stays within the
+// bounds the kernels are held to against torch's flash kernel (tests/kernels/test_cpu_prefill.py).
 // Phase B, per 64 dims of the head: the weighted sums P V accumulate in four tiles (lane x 16 dims,
 // in the order of 16-bit unpacks) over the kept weights and the values interleaved in pairs of keys,
 // with the rescales of phase A replayed between chunks. Keys past ``keys`` in the last chunk score

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cpu import load
+from batchgen_kernels.cpu import load
 
 
 def tempered_softmax(
