@@ -1,8 +1,11 @@
 """batchgen: offline batch inference on a paged-attention engine with copy-on-write KV sharing."""
 
+from batchgen.engine.engine import LLMEngine
 from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.utils import FlexibleArgumentParser
+from batchgen.vllm_compat import EngineArgs
 
 __all__ = [
     "LLM",
@@ -13,5 +16,8 @@ __all__ = [
     "Logprob",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "LLMEngine",
+    "EngineArgs",
+    "FlexibleArgumentParser",
 ]
 __version__ = "0.1.0"

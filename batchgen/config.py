@@ -49,6 +49,7 @@ class EngineConfig:
     debug_checks: bool = False
     tokenizer: str | None = None  # a tokenizer directory other than the model's
     admission_order: str = "prefix"  # "prefix": rows sharing a prefix run together; "input"
+    generation_config: str = "auto"  # LLM.get_default_sampling_params: "auto" (the model's), "vllm" (none), a directory
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:
@@ -85,6 +86,8 @@ class EngineConfig:
             raise bad("swap_space_gb", "> 0")
         if self.admission_order not in ("prefix", "input"):
             raise bad("admission_order", "one of prefix, input")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad("generation_config", "auto, vllm or a directory holding generation_config.json")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from batchgen import metrics
 from batchgen.config import EngineConfig
 from batchgen.engine.admission import admission_plan
 from batchgen.engine.engine import LLMEngine
-from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.vllm_compat import from_vllm_kwargs, from_vllm_prompt
+
+# generation_config.json keys that vLLM's get_default_sampling_params takes, and their names here
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 Params = SamplingParams | BeamSearchParams
 
@@ -26,14 +39,20 @@ class LLM:
 
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``device``, ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``seed``,
-    ``num_kv_blocks``, ``kv_cache_memory_gb``, ``max_model_len``, ...); unknown ones raise ValueError.
+    ``num_kv_blocks``, ``kv_cache_memory_gb``, ``max_model_len``, ...) or vLLM's engine keywords
+    (``batchgen/vllm_compat.py`` says what each does here); unknown ones raise ValueError.
+    ``profiler_config`` (vLLM's: ``{"profiler": "torch", "torch_profiler_dir": DIR}``) sets where
+    ``start_profile`` / ``stop_profile`` write their trace.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(str(model), **_from_vllm_kwargs(str(model), kwargs))
+    def __init__(self, model: str, *, profiler_config: Any = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(str(model), **from_vllm_kwargs(str(model), kwargs))
+        self._profile_dir = _profile_dir(profiler_config)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
         self.duplicates_merged = 0  # identical deterministic requests computed once (admission_order="prefix")
+        self._request_metrics = metrics.RequestMetrics()
+        self._profiler: Any = None
 
     @property
     def tokenizer(self):
@@ -66,7 +85,7 @@ class LLM:
                 raise ValueError("give the parameters once: params or sampling_params, not both")
             params = sampling_params
         one = isinstance(prompts, (str, dict)) or bool(prompts) and isinstance(prompts[0], int)
-        prompt_list: list[Any] = [_from_vllm_prompt(p) for p in ([prompts] if one else list(prompts))]
+        prompt_list: list[Any] = [from_vllm_prompt(p) for p in ([prompts] if one else list(prompts))]
         if params is None:
             params = SamplingParams()
         if isinstance(params, (SamplingParams, BeamSearchParams)):
@@ -98,11 +117,18 @@ class LLM:
         show = use_tqdm if use_tqdm is not None else len(ids) >= 32
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not show, dynamic_ncols=True)
         generated = 0
+        started = time.perf_counter()
         try:
             while engine.has_unfinished():
                 for out in engine.step():
                     results[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
+                    self._request_metrics.observe(
+                        len(out.prompt_token_ids),
+                        sum(len(c.token_ids) for c in out.outputs),
+                        time.perf_counter() - started,
+                        [c.finish_reason or "abort" for c in out.outputs] or ["error"],
+                    )
                     bar.update(1)
                     bar.set_postfix(gen_tokens=generated, refresh=False)
             for rid, leader in copies.items():  # identical requests: the same output, their own id
@@ -124,22 +150,100 @@ class LLM:
         peak KV tokens held logically (sum over live sequences) and physically (slots in used blocks)."""
         return {**self.engine.stats(), "duplicate_requests_merged": self.duplicates_merged}
 
+    def get_metrics(self) -> list[metrics.Metric]:
+        """vLLM's ``LLM.get_metrics``: counters, gauges and histograms (``batchgen/metrics.py``)."""
+        sched = self.engine.scheduler
+        live = {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(sched.swapped),
+            "used_blocks": self.engine.bm.num_used_blocks,
+        }
+        return metrics.collect(self.stats(), live, self._request_metrics, self.config.model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: ``SamplingParams`` from the model's ``generation_config.json`` (its
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
+        ``max_new_tokens`` as ``max_tokens``), or vLLM's defaults when it has none or the engine
+        setting ``generation_config`` is ``"vllm"``. A directory there is read instead of the model's."""
+        source = self.config.generation_config
+        if source == "vllm":
+            return SamplingParams()
+        from transformers import GenerationConfig  # noqa: PLC0415
+
+        directory = self.config.model if source == "auto" else source
+        try:
+            diff = GenerationConfig.from_pretrained(directory).to_diff_dict()
+        except OSError:
+            if source != "auto":
+                raise ValueError(f"generation_config: no generation_config.json in {directory}") from None
+            return SamplingParams()
+        values = {ours: diff[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
+        return SamplingParams(**values)
+
+    def start_profile(self) -> None:
+        """Start a torch profiler trace (vLLM's ``start_profile``); ``stop_profile`` writes it to the
+        directory of ``profiler_config`` / ``$BATCHGEN_TORCH_PROFILER_DIR`` /
+        ``$VLLM_TORCH_PROFILER_DIR``, one ``*.pt.trace.json`` per start, for TensorBoard or Perfetto."""
+        import torch  # noqa: PLC0415
+
+        if self._profile_dir is None:
+            raise RuntimeError(
+                "profiling is off: give LLM(..., profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': DIR}) or set BATCHGEN_TORCH_PROFILER_DIR=DIR"
+            )
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running; call stop_profile() first")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.engine.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        Path(self._profile_dir).mkdir(parents=True, exist_ok=True)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            record_shapes=True,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self._profile_dir, worker_name="batchgen"),
+        )
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop the trace ``start_profile`` began and write it."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is running; call start_profile() first")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: Params | Sequence[Params] | None = None,
         use_tqdm: bool | None = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{role, content}``) or a list of them,
-        through the model's chat template; one ``RequestOutput`` per conversation, its ``prompt``
-        the templated text."""
+        through the model's chat template (or ``chat_template``, a Jinja template text); one
+        ``RequestOutput`` per conversation, its ``prompt`` the templated text.
+        ``continue_final_message`` leaves the last (assistant) message open for the model to go on,
+        instead of starting a new turn; it excludes ``add_generation_prompt``, as in vLLM.
+        ``chat_template_kwargs`` go to the template (``enable_thinking=False``, say)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True continues the last message; give add_generation_prompt=False with it"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         texts, ids = [], []
         for i, conv in enumerate(conversations):
             try:
-                text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(
+                    conv,
+                    tokenize=False,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
+                )
             except Exception as e:  # noqa: BLE001 - a template error names the conversation
                 raise ValueError(f"conversation {i}: chat template failed: {e}") from None
             texts.append(text)
@@ -176,36 +280,18 @@ class LLM:
         return results
 
 
-def _from_vllm_prompt(prompt: Any) -> Any:
-    """vLLM's prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``) to text or ids."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
-    if "prompt" in prompt:
-        return prompt["prompt"]
-    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-
-
-def _from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's ``LLM(...)`` settings that map onto batchgen's, and clear refusals for those that do not."""
-    out = dict(kwargs)
-    if "swap_space" in out:
-        out["swap_space_gb"] = out.pop("swap_space")
-    if "enforce_eager" in out:
-        out["cuda_graphs"] = not out.pop("enforce_eager")
-    tp = out.pop("tensor_parallel_size", 1)
-    if tp != 1:
-        raise ValueError(
-            f"tensor_parallel_size={tp}: batchgen runs one engine per device; to use several devices, "
-            "run a sharded job (run.shard) or one LLM per device"
-        )
-    if out.pop("trust_remote_code", False):
-        raise ValueError(
-            "trust_remote_code=True: batchgen runs only the architectures it implements "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)}) and never executes code from a checkpoint"
-        )
-    tokenizer = out.get("tokenizer")
-    if tokenizer is not None and Path(tokenizer).resolve() == Path(model).resolve():
-        out.pop("tokenizer")
-    return out
+def _profile_dir(profiler_config: Any) -> str | None:
+    """Where ``start_profile`` writes: vLLM's ``profiler_config`` (a dict or an object with
+    ``profiler`` and ``torch_profiler_dir``), else ``$BATCHGEN_TORCH_PROFILER_DIR``, else vLLM's
+    ``$VLLM_TORCH_PROFILER_DIR``; None when profiling is off."""
+    if profiler_config is not None:
+        get = profiler_config.get if isinstance(profiler_config, dict) else lambda k: getattr(profiler_config, k, None)
+        kind = get("profiler")
+        if kind not in (None, "torch"):
+            raise ValueError(f"profiler_config: profiler must be 'torch', got {kind!r}")
+        directory = get("torch_profiler_dir")
+        if kind == "torch" and not directory:
+            raise ValueError("profiler_config: give torch_profiler_dir, the directory for the trace")
+        if directory:
+            return str(directory)
+    return os.environ.get("BATCHGEN_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None

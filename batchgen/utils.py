@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
 from functools import cache
 from typing import TypeVar
 
@@ -22,3 +25,18 @@ def has_amx() -> bool:
     oneDNN GEMMs and its CPU flash-attention kernel use for bfloat16."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's ``FlexibleArgumentParser``: long options may be written with underscores as well as
+    dashes (``--max_model_len 512`` is ``--max-model-len 512``)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        fixed = []
+        for arg in argv:
+            if arg.startswith("--") and len(arg) > 2:
+                name, eq, value = arg[2:].partition("=")
+                arg = "--" + name.replace("_", "-") + eq + value
+            fixed.append(arg)
+        return super().parse_known_args(fixed, namespace)

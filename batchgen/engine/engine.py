@@ -28,6 +28,7 @@ from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.utils import cdiv
+from batchgen.vllm_compat import EngineArgs, from_vllm_prompt
 
 
 class Prompt(NamedTuple):
@@ -58,6 +59,11 @@ def _eos_ids(model_dir: str, hf_config, tokenizer) -> frozenset[int]:
 
 
 class LLMEngine:
+    """The step loop. vLLM's ``LLMEngine`` habits work: ``LLMEngine.from_engine_args(EngineArgs(...))``,
+    ``add_request(request_id, prompt, params)`` (text, token ids or vLLM's prompt dicts),
+    ``step()`` returning the requests that finished (``finished=True``), and
+    ``has_unfinished_requests()``."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.hf_config = load_config(cfg.model)
@@ -79,6 +85,10 @@ class LLMEngine:
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> logits row waiting for its siblings
         self._stats = EngineStats(cfg.block_size, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -149,8 +159,10 @@ class LLMEngine:
     ) -> None:
         """Queue one request (``prepare``d already, or prepared here). Raises ValueError, queuing
         nothing, on bad input."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already queued or running")
         if not isinstance(prompt, Prompt):
-            prompt = self.prepare(prompt, params)
+            prompt = self.prepare(from_vllm_prompt(prompt), params)
         ids = prompt.token_ids
         # Prompt log-probabilities need every prompt position computed: such a request shares no
         # blocks with others (its own recompute after a preemption still reuses its blocks).
@@ -189,6 +201,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    has_unfinished_requests = has_unfinished  # vLLM's name
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
