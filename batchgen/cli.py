@@ -6,16 +6,36 @@ import argparse
 import sys
 from pathlib import Path
 
-DEMO_PROMPTS = [
+# The demo's rows share a few-shot header several KV blocks long: its blocks are computed once and
+# then found in the prefix cache, and each row's samples or beams share them copy-on-write.
+DEMO_HEADER = (
+    "You answer questions about batchgen in one short sentence.\n"
+    "Q: What does batchgen turn a dataset of prompts into?\nA: A dataset of generations.\n"
+    "Q: How does the engine keep the KV cache?\nA: In fixed-size blocks, shared copy-on-write.\n"
+    "Q: Which sequences share blocks?\nA: Samples, beams and requests whose prompts start alike.\n"
+)
+DEMO_QUESTIONS = [
+    "What keeps the batch full?",
+    "What happens when blocks run out?",
+    "What is two plus two?",
     "Translate to French: the cat sat on the mat.",
-    "Question: what is two plus two? Answer:",
-    "Once upon a time",
-    "The quick brown fox",
-    "batchgen turns a dataset of prompts into",
-    "",  # a bad row: it gets an error and the job goes on
-    "Write a haiku about paged memory.",
-    "List three prime numbers:",
+    "Who spoke in riddles and numbers?",
+    "What does the quick brown fox jump over?",
+    "Where does beam search run?",
+    "What is a block table?",
 ]
+
+
+def demo_rows(count: int = 64) -> list[dict]:
+    """Rows of the demo dataset: sampled rows, every eighth a beam-search row (a per-row override),
+    every sixteenth an empty prompt (a bad row: it gets an error and the job goes on)."""
+    rows = []
+    for i in range(count):
+        question = DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)]
+        prompt = "" if i % 16 == 15 else f"{DEMO_HEADER}Q: {question}\nA:"
+        params = {"beam_width": 3} if i % 8 == 3 else None
+        rows.append({"id": f"row-{i:03d}", "prompt": prompt, "params": params})
+    return rows
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -114,8 +134,7 @@ def ensure_demo_inputs(root: Path) -> None:
         import pyarrow.parquet as pq
 
         data.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{"id": f"row-{i:03d}", "prompt": DEMO_PROMPTS[i % len(DEMO_PROMPTS)]} for i in range(64)]
-        pq.write_table(pa.Table.from_pylist(rows), data)
+        pq.write_table(pa.Table.from_pylist(demo_rows()), data)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -135,13 +154,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(config=str(config), set=args.set, overwrite=True, no_progress=False)
     rc = cmd_job(ns)
     if rc == 0:
-        out = str(out_dir)
-        table = pads.dataset(out, format="parquet").to_table()
-        print(f"\nfirst rows of {out}:")
-        rows = table.to_pylist()
-        for row in [r for r in rows if not r["error"]][:3] + [r for r in rows if r["error"]][:1]:
-            comp = (row["completions"] or [{}])[0]
-            print(f"  {row['id']}: {row['prompt']!r} -> {comp.get('text', '')!r:.60}  error={row['error']}")
+        rows = sorted(pads.dataset(str(out_dir), format="parquet").to_table().to_pylist(), key=lambda r: r["id"])
+        sampled = next(r for r in rows if not r["error"] and not r.get("params"))
+        beams = next((r for r in rows if not r["error"] and r.get("params")), None)
+        failed = next((r for r in rows if r["error"]), None)
+        print(f"\nsome rows of {out_dir} (the text is gibberish: the model's weights are random):")
+        for label, row in (("sampled, n=4", sampled), ("beam search, width 3", beams), ("a bad row", failed)):
+            if row is None:
+                continue
+            prompt = "\n".join(row["prompt"].split("\n")[-2:])
+            print(f"  {row['id']} ({label}): {'... ' if row['prompt'] else ''}{prompt!r}")
+            if row["error"]:
+                print(f"      error: {row['error']}")
+            for c in row["completions"] or []:
+                score = f"score {c['score']:.3f}  " if c["score"] is not None else ""
+                print(f"      [{c['index']}] {score}{c['text'][:50]!r}")
     return rc
 
 
@@ -236,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument(
         "--bench",
         action="store_true",
-        help="the bench-56m model of WORKLOADS.md (with --arch qwen3_moe: workload M's MoE model)",
+        help="the bench-56m model of docs/benchmarks.md (with --arch qwen3_moe: workload M's MoE model)",
     )
     mm.set_defaults(func=cmd_make_model)
     args = parser.parse_args(argv)

@@ -88,7 +88,15 @@ class JobConfig:
     source_file: str | None = None
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
-        values = {**self.generation, **(overrides or {})}
+        """The generation parameters with a row's overrides. A row that gives ``beam_width`` in a
+        sampling job runs beam search, keeping only the settings the two share (``max_tokens``,
+        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``)."""
+        overrides = overrides or {}
+        base = self.generation
+        if "beam_width" in overrides and "beam_width" not in base:
+            shared = {f.name for f in fields(BeamSearchParams)}
+            base = {k: v for k, v in base.items() if k in shared}
+        values = {**base, **overrides}
         return (
             BeamSearchParams.from_dict(values) if "beam_width" in values else SamplingParams.from_dict(values)
         )

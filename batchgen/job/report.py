@@ -80,6 +80,9 @@ class JobReport:
             ),
             f"  KV memory saved by sharing   {d['kv_saved_by_sharing']:.1%}   "
             f"(peak {d['peak_kv_blocks_used']} of {d['kv_blocks']} blocks)",
+            f"  copy-on-write block copies   {self.engine.get('cow_copies', 0)}   "
+            f"(KV tokens held at peak: {self.engine.get('peak_logical_kv_tokens', 0)} logical in "
+            f"{self.engine.get('peak_physical_kv_slots', 0)} slots)",
         ]
         top = sorted(self.errors.items(), key=lambda kv: -kv[1])
         for message, count in top[:5]:
