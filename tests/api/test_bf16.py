@@ -22,7 +22,7 @@ logits by a few hundredths of a unit. So:
   ``MEAN_ERROR_RATIO`` (1.5) times transformers': batchgen in bf16 is about as accurate as
   transformers in bf16 (measured: 0.9-1.15 times on the three models below).
 
-The same comparison in float32 is exact to 1e-4 (tests/api/test_parity.py): what these tests allow
+The same comparison in float32 is exact to 1e-4 (tests/api/test_greedy_parity.py): what these tests allow
 is bf16 rounding, not a different computation.
 """
 
