@@ -3,7 +3,7 @@
 from batchgen.engine.engine import LLMEngine
 from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.utils import FlexibleArgumentParser
 from batchgen.vllm_compat import EngineArgs
 
@@ -11,6 +11,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "BeamSearchParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -8,6 +8,8 @@ request never reaches the engine. Unknown field names are rejected the same way 
 from __future__ import annotations
 
 import difflib
+import json as _json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -62,6 +64,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _check_token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
@@ -69,6 +76,86 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
     for t in ids:
         _check(_is_int(t) and t >= 0, name, ids, "a list of non-negative token ids")
     return ids
+
+
+@_reject_unknown_names
+@dataclass(kw_only=True)
+class StructuredOutputsParams(_Params):
+    """vLLM's ``StructuredOutputsParams``: constrain a request's output to exactly one of a JSON
+    schema (``json``: a dict or its JSON text), a regular expression (``regex``), one of several
+    strings (``choice``), an EBNF / GBNF grammar (``grammar``), or any JSON object
+    (``json_object=True``). ``disable_any_whitespace``: JSON without free whitespace between its
+    tokens. The grammar is compiled by xgrammar once per distinct text (``batchgen/engine/structured.py``);
+    a schema, pattern or grammar that does not compile is a ``ValueError`` when the request is made."""
+
+    _kind: ClassVar[str] = "structured output"
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # vLLM's: there is one backend here, never a fallback
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                + (f"got {', '.join(given)}" if given else "got none")
+            )
+        if self.json is not None:
+            _check(isinstance(self.json, (dict, str)), "json", self.json, "a JSON schema (a dict or its text)")
+            if isinstance(self.json, str):
+                try:
+                    _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"json must be a JSON schema; its text does not parse: {e}") from None
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex", self.regex,
+               "a non-empty pattern")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""), "grammar",
+               self.grammar, "a non-empty EBNF grammar")
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice),
+                "choice", self.choice, "a non-empty list of non-empty strings",
+            )
+            self.choice = list(self.choice)
+        _check(self.json_object in (None, True, False), "json_object", self.json_object, "a bool")
+        for name in ("disable_any_whitespace", "disable_fallback"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar: the kind, its text (a schema's keys sorted), and
+        the whitespace setting."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = _json.dumps(_json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        elif self.kind == "choice":
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace)
+
+
+def _structured(value: Any) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as given: None, the params object, or a mapping of its fields (a job
+    config's or a row's)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams.from_dict(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+    raise ValueError(
+        f"structured_outputs must be StructuredOutputsParams or a mapping of its fields, got {type(value).__name__}"
+    )
 
 
 @_reject_unknown_names
@@ -102,14 +189,15 @@ class SamplingParams(_Params):
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
-            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            _is_number(self.temperature) and self.temperature >= 0,
             "temperature",
             self.temperature,
-            ">= 0 (0 means greedy)",
+            "a finite number >= 0 (0 means greedy)",
         )
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         # vLLM also accepts -1 for "no top-k"; 0 means the same here.
@@ -149,16 +237,17 @@ class SamplingParams(_Params):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, value, "an integer >= 0 or None")
         _check(
-            isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
             self.repetition_penalty,
-            "> 0",
+            "a finite number > 0",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and -2 <= v <= 2, name, v, "in [-2, 2]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        self.structured_outputs = _structured(self.structured_outputs)
 
     @property
     def group_size(self) -> int:
@@ -186,6 +275,7 @@ class BeamSearchParams(_Params):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -209,7 +299,7 @@ class BeamSearchParams(_Params):
             f"an integer in [1, beam_width={self.beam_width}]",
         )
         _check(
-            isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool),
+            _is_number(self.length_penalty),
             "length_penalty",
             self.length_penalty,
             "a number",
@@ -228,6 +318,7 @@ class BeamSearchParams(_Params):
         )
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        self.structured_outputs = _structured(self.structured_outputs)
 
     @property
     def group_size(self) -> int:

@@ -161,7 +161,10 @@ class EngineReplica:
         self, rows: list[dict[str, Any]], rids: list[str]
     ) -> tuple[list[Request], list[dict[str, Any]]]:
         """Build, generate and render ``rows`` (one output row each, in order)."""
-        requests = [self.codec.build(self.tokenizer, row, rid) for row, rid in zip(rows, rids, strict=True)]
+        requests = [
+            self.codec.build(self.tokenizer, row, rid, self.engine.compile_grammar)
+            for row, rid in zip(rows, rids, strict=True)
+        ]
         valid = [r for r in requests if r.error is None]
         prompts, params = [], []
         for r in valid:

@@ -1,7 +1,7 @@
 """Benchmarks of docs/benchmarks.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D M R] [--model models/bench-56m] [--moe-model models/bench-moe]
+    python scripts/bench.py [S B P D M R J J-FREE] [--model models/bench-56m] [--moe-model models/bench-moe]
                             [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
                             [--engine-setting K=V] [--repeat N]
@@ -12,6 +12,10 @@ Workload R runs 32 prompts of 32-256 tokens, n=4 sampling, 64 new tokens on a de
 
 Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16 experts, top-4,
 ``batchgen.tiny.make_bench_moe_model``) and reports the share of batchgen's time in expert GEMMs.
+
+Workload J runs S's requests with every completion constrained to a 5-field JSON schema (structured
+outputs, ending at the grammar's end); J-FREE the same requests unconstrained, also ending at EOS;
+transformers runs J with the same xgrammar grammar as a logits processor.
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's. ``--repeat N`` runs each side N
@@ -36,6 +40,18 @@ import numpy as np
 import torch
 
 VOCAB_LOW = 3  # random prompts avoid the special ids 0..2
+# Workload J's schema: a string, an integer, an enum, a boolean and an array of up to 3 strings
+J_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "count": {"type": "integer"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "done": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "count", "color", "done", "tags"],
+}
 
 
 @dataclass
@@ -55,6 +71,8 @@ class Workload:
     long: bool = False  # runs on bench-56m with a 32k context (workload L)
     engine: dict = field(default_factory=dict)  # engine settings of this workload
     baseline_batch_sizes: list[int] | None = None  # instead of --baseline-batch-sizes
+    schema: dict | None = None  # structured outputs: every completion follows this JSON schema (J)
+    ignore_eos: bool = True  # False: a completion may end early, and only its own tokens count
 
 
 def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> list[Workload]:
@@ -89,6 +107,13 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
                 deep=True,
             )
         )
+    if "J" in names or "J-FREE" in names:  # S's very prompts, each completion a JSON object of 5 fields
+        for name in ("J", "J-FREE"):
+            if name in names:
+                w = n_best(name, np.random.default_rng(0), "S's requests under a 5-field JSON schema")
+                w.schema, w.ignore_eos = (J_SCHEMA if name == "J" else None), False
+                w.notes = w.notes if name == "J" else "S's requests, unconstrained, ending at EOS as J's may"
+                out.append(w)
     if "M" in names:  # S's very prompts (S draws first from a generator seeded 0)
         out.append(n_best("M", np.random.default_rng(0), "n-best sampling n=8 on the MoE model", moe=True))
     if "L" in names:  # one 16,384-token prompt and three of 4,096, n=4 sampling, on a 32k context
@@ -208,8 +233,9 @@ def run_batchgen(
                 temperature=0 if w.kind == "greedy" else w.temperature,
                 top_p=w.top_p,
                 max_tokens=m,
-                ignore_eos=True,
+                ignore_eos=w.ignore_eos,
                 seed=i,
+                structured_outputs={"json": w.schema} if w.schema else None,
             )
             for i, m in enumerate(w.max_tokens)
         ]
@@ -220,7 +246,7 @@ def run_batchgen(
     outs = llm.generate(w.prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    assert gen == useful_tokens(w), (gen, useful_tokens(w))
+    assert gen == useful_tokens(w) or not w.ignore_eos, (gen, useful_tokens(w))
     stats = llm.stats()
     prompt_tokens = sum(len(p) for p in w.prompts)
     return {
@@ -238,6 +264,15 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    grammar = None
+    if w.schema:  # the same grammar (xgrammar, compiled for the model's vocabulary) as a logits processor
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            AutoTokenizer.from_pretrained(model_dir), vocab_size=model.config.vocab_size, stop_token_ids=[2]
+        )
+        grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(w.schema))
     results = {}
     for bs in batch_sizes:
         t0 = time.perf_counter()
@@ -253,6 +288,13 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
                 mask[i, width - len(p) :] = 1
             top = max(limits)
             kwargs = dict(max_new_tokens=top, min_new_tokens=top, pad_token_id=0)
+            if not w.ignore_eos:
+                del kwargs["min_new_tokens"]
+                kwargs["eos_token_id"] = 2
+            if grammar is not None:
+                import xgrammar as xgr
+
+                kwargs["logits_processor"] = [xgr.contrib.hf.LogitsProcessor(grammar)]
             if bool((mask == 0).any()):  # no mask without padding: no [rows, ctx, ctx] mask at long contexts
                 kwargs["attention_mask"] = mask
             if w.kind == "sample":
@@ -268,9 +310,13 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
             else:
                 kwargs.update(do_sample=False)
             with torch.no_grad():
-                model.generate(ids, **kwargs)
+                seqs = model.generate(ids, **kwargs)
             per = w.n if w.kind == "sample" else (w.beam_width if w.kind == "beam" else 1)
-            gen += sum(min(m, top) * per for m in limits)  # only each row's own tokens count
+            if w.ignore_eos:
+                gen += sum(min(m, top) * per for m in limits)  # only each row's own tokens count
+            else:  # each completion's tokens up to its EOS (included)
+                for row in seqs[:, width:].tolist():
+                    gen += row.index(2) + 1 if 2 in row else len(row)
         wall = time.perf_counter() - t0
         results[bs] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall}
         print(f"    transformers batch {bs:>2}: {gen / wall:8.1f} tok/s ({wall:.1f} s)", flush=True)
@@ -514,6 +560,20 @@ def main() -> None:
             f"({s['physical_over_logical']:.0%}) | {s['cow_copies']} | {s['prefix_cache_hit_tokens']} |"
         )
     by_name = {r["workload"]: r for r in rows}
+    if "J" in by_name:
+        j, st = by_name["J"], by_name["J"]["batchgen"]["stats"]
+        line = f"\nJ: constrained {j['batchgen']['tokens_per_s']:.1f} tok/s"
+        if "J-FREE" in by_name:
+            free = by_name["J-FREE"]["batchgen"]["tokens_per_s"]
+            line += f", {j['batchgen']['tokens_per_s'] / free:.2f}x batchgen unconstrained ({free:.1f})"
+        if j["ratio"]:
+            line += f", {j['ratio']:.2f}x transformers with the grammar"
+        if "S" in by_name and by_name["S"]["ratio"]:
+            line += f" (S: {by_name['S']['ratio']:.2f}x)"
+        print(
+            line + f"; grammar compiles {st['grammar_compiles']} ({st['grammar_compile_s'] * 1000:.1f} ms), "
+            f"cache hits {st['grammar_cache_hits']}, masks {st['grammar_mask_s']:.2f} s"
+        )
     if "P2" in by_name and "P2-INPUT" in by_name:
         a, b = by_name["P2-INPUT"]["batchgen"], by_name["P2"]["batchgen"]
         print(

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from batchgen.engine.sampler import GrammarMask
 from batchgen.engine.sequence import Sequence
 from batchgen.params import BeamSearchParams
 from batchgen_kernels import cpu_beam
@@ -99,16 +100,23 @@ class BeamChoice:
     scores: list[float]
 
 
-def beam_step(states: list[BeamState], logits: torch.Tensor, rows: list[int]) -> list[BeamChoice]:
+def beam_step(
+    states: list[BeamState], logits: torch.Tensor, rows: list[int], grammar: GrammarMask | None = None
+) -> list[BeamChoice]:
     """One step for groups of equal (width, number of end tokens).
 
     ``logits``: the model's logits, one row per computed sequence; beam i of group g reads row
-    ``rows[g*k + i]``. Updates every state in place and returns the running beams chosen per group.
+    ``rows[g*k + i]``. ``grammar``: structured outputs' mask, one row per beam in the same order,
+    applied to the log-probabilities (as transformers applies a logits processor in beam search).
+    Updates every state in place and returns the running beams chosen per group.
     """
     if states[0].params.beam_width == 1:
-        return _greedy_step(states, _log_softmax(logits, rows))
+        log_probs = _log_softmax(logits, rows)
+        if grammar is not None:
+            grammar.apply(log_probs, grammar.mask, grammar.rows)
+        return _greedy_step(states, log_probs)
     k = states[0].params.beam_width
-    cand = _candidates(states, logits, rows, k)
+    cand = _candidates(states, logits, rows, k, grammar)
 
     # e. next running beams: the best k continuations that did not end
     topk_running = cand.log_probs + cand.ends.to(torch.float32) * NEG
@@ -173,7 +181,9 @@ def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return torch.log_softmax((logits if in_order else logits[torch.tensor(rows)]).float(), dim=-1)
 
 
-def _candidates(states: list[BeamState], logits: torch.Tensor, rows: list[int], k: int) -> _Candidates:
+def _candidates(
+    states: list[BeamState], logits: torch.Tensor, rows: list[int], k: int, grammar: GrammarMask | None = None
+) -> _Candidates:
     """a.-d.: accumulated scores of all ``k x vocab`` continuations and the best of them (on the
     compiled CPU kernel where it runs: the same scores without a vocabulary-sized temporary)."""
     g_count = len(states)
@@ -181,10 +191,12 @@ def _candidates(states: list[BeamState], logits: torch.Tensor, rows: list[int], 
     vocab = logits.shape[-1]
     keep = max(2, 1 + n_end) * k
     running = torch.stack([st.running_scores for st in states])
-    if FUSED_CPU_TOPK and cpu_beam.takes(logits) and not _end_tokens_masked(states):
+    if FUSED_CPU_TOPK and cpu_beam.takes(logits) and not _end_tokens_masked(states) and grammar is None:
         topk_log_probs, topk_idx = cpu_beam.beam_topk(logits, torch.tensor(rows), running.view(-1), k, keep)
     else:
         log_probs = _mask_end_tokens(states, _log_softmax(logits, rows), k)
+        if grammar is not None:
+            grammar.apply(log_probs, grammar.mask, grammar.rows)
         acc = (log_probs.view(g_count, k, vocab) + running[:, :, None]).reshape(g_count, k * vocab)
         topk_log_probs, topk_idx = torch.topk(acc, k=keep)
     topk_ids = topk_idx % vocab

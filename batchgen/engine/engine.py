@@ -18,11 +18,12 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sampler import SampleRow, derive_seed, logprob_entries, sample
+from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, logprob_entries, sample
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, long_rope_key
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
+from batchgen.engine.structured import StructuredOutputs, allow_only
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
@@ -85,6 +86,7 @@ class LLMEngine:
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> logits row waiting for its siblings
         self._stats = EngineStats(cfg.block_size, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
+        self._structured: StructuredOutputs | None = None  # built with the first grammar
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -113,12 +115,19 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; the model's context (max_model_len) is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name, None)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), got {k}")
         for name in ("stop_token_ids",):
             for t in getattr(params, name) or []:
                 if t >= self.vocab_size:
                     raise ValueError(
                         f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})"
                     )
+        if params.structured_outputs is not None and isinstance(params, BeamSearchParams):
+            if not self._grammar_stops(params):
+                raise ValueError("structured_outputs with beam search needs an end token: drop ignore_eos or give stop_token_ids")
         need = self.blocks_needed_alone(len(token_ids), params)
         if need > self.bm.num_blocks:
             raise ValueError(
@@ -142,14 +151,33 @@ class LLMEngine:
         return shared + params.group_size * (cdiv(last, bs) - shared)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> Prompt:
-        """Tokenize and validate one request. Raises ValueError (naming the problem) on bad input."""
+        """Tokenize and validate one request, and compile its grammar (cached). Raises ValueError
+        (naming the problem) on bad input."""
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
+        self.compile_grammar(params)
         return Prompt(text, ids)
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammars of structured outputs (built, with xgrammar's view of the tokenizer, when
+        the first constrained request comes)."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._structured
+
+    def compile_grammar(self, params: SamplingParams | BeamSearchParams) -> None:
+        """Compile ``params``' grammar, if it has one, into the cache; ``ValueError`` if it does not
+        compile. Thread-safe: a job's reader thread compiles rows' grammars off the step loop."""
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
+    def _grammar_stops(self, params: SamplingParams | BeamSearchParams) -> list[int]:
+        return sorted(set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids)))
 
     def add_request(
         self,
@@ -163,6 +191,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         if not isinstance(prompt, Prompt):
             prompt = self.prepare(from_vllm_prompt(prompt), params)
+        matcher = None
+        if params.structured_outputs is not None:
+            matcher = self.structured.matcher(params.structured_outputs, self._grammar_stops(params))
         ids = prompt.token_ids
         # Prompt log-probabilities need every prompt position computed: such a request shares no
         # blocks with others (its own recompute after a preemption still reuses its blocks).
@@ -189,6 +220,7 @@ class LLMEngine:
             num_prompt_tokens=len(ids),
             seed=derive_seed(base, 0),
             base_seed=base,
+            matcher=matcher,
         )
         if isinstance(params, SamplingParams):
             if params.logprobs is not None:
@@ -318,8 +350,9 @@ class LLMEngine:
                 row_index.append(i)
         if len(targets) != len(seqs):
             logits = logits[torch.tensor(row_index, device=logits.device)]
+        grammar = self._grammar_mask(targets)
         with self._stats.timed("sampler_s"):
-            result = sample(logits, rows)
+            result = sample(logits, rows, grammar=grammar)
         self._stats.values["generated_tokens"] += len(targets)
         for seq, tok, lp, top in zip(
             targets, result.tokens, result.logprobs, result.top_logprobs, strict=True
@@ -328,8 +361,36 @@ class LLMEngine:
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
                 seq.logprobs.append(self._with_decoded(top or {tok: Logprob(lp)}))
-            if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len):  # type: ignore[arg-type]
+            ended = self._advance_grammar(seq, tok)
+            if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len) or ended:  # type: ignore[arg-type]
                 self.scheduler.free_seq(seq)
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+        """The step's token mask for the rows of ``seqs`` that follow a grammar (None: none do)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        structured = self.structured
+        live = [i for i in rows if not seqs[i].matcher.is_terminated()]
+        mask = structured.bitmask([seqs[i].matcher for i in live], live, len(seqs))
+        for i in rows:
+            if i not in live:  # a beam that took an end token as a running candidate (nothing else was
+                # allowed): as after the grammar's end, only end tokens, as the oracle's processor does
+                allow_only(mask, i, self._grammar_stops(seqs[i].group.params))
+        return GrammarMask(mask, rows, structured.apply)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Feed ``token`` to the sequence's grammar; True when that ends the sequence (the grammar
+        is complete and has no stop token to wait for)."""
+        if seq.matcher is None:
+            return False
+        if seq.matcher.is_terminated():
+            return True
+        if not seq.matcher.accept_token(token) or seq.matcher.is_terminated():
+            if seq.finish_reason is None:
+                seq.finish_reason = "stop"
+            return True
+        return False
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         group = parent.group
@@ -348,6 +409,8 @@ class LLMEngine:
             child.logprobs = list(parent.logprobs)
         if parent.detok is not None:
             child.detok = parent.detok.copy_for(parent.output_token_ids, self.tokenizer, group.params)
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.fork()
         self.bm.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         return child
@@ -383,7 +446,7 @@ class LLMEngine:
                 index = list(range(len(beams)))
             for b in beams:
                 self._pending.pop(b.seq_id, None)
-            choices = beam_step([g.beam for g in groups], source, index)
+            choices = beam_step([g.beam for g in groups], source, index, self._grammar_mask(beams))
             for group, choice in zip(groups, choices, strict=True):
                 self._apply_beams(group, choice)
 
@@ -408,6 +471,7 @@ class LLMEngine:
         for target, tok, score in assigned:
             target.token_ids.append(tok)
             target.cumulative_logprob = score
+            self._advance_grammar(target, tok)
         for seq in old:
             if seq.seq_id not in used:
                 self.scheduler.free_seq(seq)
@@ -520,4 +584,5 @@ class LLMEngine:
             "attention_s": tm.attention,
             "expert_s": tm.experts,
             "lm_head_s": tm.lm_head,
+            **(self._structured.stats() if self._structured is not None else StructuredOutputs.no_stats()),
         }

@@ -15,6 +15,7 @@ on the CPU those passes, not the arithmetic, are the cost.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -56,6 +57,16 @@ class SampleRow:
     token_ids: list[int]  # prompt + output, for penalties
     num_prompt_tokens: int
     blocked_ids: list[int]  # stop tokens masked while below min_tokens
+
+
+@dataclass
+class GrammarMask:
+    """A step's structured-output mask: ``apply(scores, mask, rows)`` sets the tokens ``mask`` does
+    not allow to -inf in ``rows`` of ``scores`` (``batchgen/engine/structured.py``)."""
+
+    mask: torch.Tensor
+    rows: list[int]
+    apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
 
 @dataclass
@@ -217,14 +228,17 @@ def fused_kernels() -> ModuleType | None:
     return cpu_sampling
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` [rows, vocab] (float32): blocked tokens and penalties
-    applied, greedy rows by argmax, the others drawn from their tempered, truncated distribution;
-    with the raw model log-probability of each pick (and the top ones where asked).
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], fused: bool | None = None, grammar: GrammarMask | None = None
+) -> SampleResult:
+    """Pick one token per row of ``logits`` [rows, vocab] (float32): the grammar's mask, blocked
+    tokens and penalties applied, greedy rows by argmax, the others drawn from their tempered,
+    truncated distribution; with the raw model log-probability of each pick (and the top ones
+    where asked).
 
     ``fused``: the full-vocabulary passes on the compiled CPU kernels (``batchgen_kernels.cpu_sampling``);
     None: where they build and the logits are float32 on the CPU. The torch code is the reference."""
-    x = _adjusted_logits(logits, rows)
+    x = _adjusted_logits(logits, rows, grammar)
     greedy_rows = [r.params.temperature == 0 for r in rows]
     temps = [r.params.temperature or 1.0 for r in rows]
     kernels = None
@@ -287,9 +301,10 @@ def _sample_in_one_pass(x: torch.Tensor, logits: torch.Tensor, rows: list[Sample
     return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
 
 
-def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """``logits`` with blocked tokens at -inf and repetition / frequency / presence penalties
-    applied (a copy only when a row needs one)."""
+def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None) -> torch.Tensor:
+    """``logits`` with the grammar's disallowed tokens and blocked tokens at -inf and repetition /
+    frequency / presence penalties applied (a copy only when a row needs one). Where blocking the
+    stop tokens (``min_tokens``) would leave a grammar row no token, the grammar wins."""
     x = logits
     blocked = [(i, t) for i, r in enumerate(rows) for t in r.blocked_ids if t < x.shape[1]]
     pen = [
@@ -297,11 +312,18 @@ def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         for i, r in enumerate(rows)
         if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
     ]
-    if blocked or pen:
+    if blocked or pen or grammar is not None:
         x = x.clone()
+    if grammar is not None:
+        grammar.apply(x, grammar.mask, grammar.rows)
     if blocked:
         bi, bt = zip(*blocked, strict=True)
+        before = x[list(dict.fromkeys(bi))].clone() if grammar is not None else None
         x[list(bi), list(bt)] = float("-inf")
+        if before is not None:
+            for j, i in enumerate(dict.fromkeys(bi)):
+                if bool(torch.isneginf(x[i]).all()):
+                    x[i] = before[j]
     if pen:
         _penalize(x, rows, pen)
     return x
@@ -324,7 +346,8 @@ def _draw_rows(
         mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
         probs = probs.masked_fill(probs < mp * probs.amax(dim=-1, keepdim=True), 0.0)
         sums = None
-    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    vocab = probs.shape[1]
+    top_k = torch.tensor([min(r.params.top_k, vocab) for r in rows], device=dev)  # past the vocabulary: all
     top_p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32)
     plain = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p >= 1]
     nucleus = [i for i, r in enumerate(rows) if not greedy_rows[i] and r.params.top_k == 0 and r.params.top_p < 1]
@@ -387,6 +410,7 @@ def logprob_entries(
     it), as vLLM reports ``logprobs`` and ``prompt_logprobs``. ``target_logprobs`` overrides the
     targets' values (the sampler's exact ones)."""
     logp = torch.log_softmax(logits, dim=-1)
+    top_k = [min(kk, logits.shape[1]) for kk in top_k]
     k = max(top_k, default=0)
     vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     ranks = ((logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()

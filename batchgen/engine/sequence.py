@@ -45,6 +45,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detok: Any = None  # incremental detokenizer state (only when stop strings are used)
     text_end: int | None = None  # where the completion's text ends (a stop string was found)
+    matcher: Any = None  # the grammar's state after this sequence's tokens (structured outputs)
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,8 @@ import pyarrow as pa
 import yaml
 
 from batchgen.config import EngineConfig
-from batchgen.job.source import column_names, schema_of
+from batchgen.job.source import check_readable, column_names, schema_of
+from batchgen.model.loader import tokenizer_problem
 from batchgen.params import BeamSearchParams, SamplingParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
@@ -240,6 +241,15 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
     return validate(data, source_file=str(p))
 
 
+def _not_a_directory(path: str) -> str | None:
+    """The output path itself, or the nearest existing folder above it, when that is a file."""
+    p = Path(path)
+    for candidate in (p, *p.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else repr(str(candidate))
+    return None
+
+
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
@@ -268,7 +278,15 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     )
     if inp is not None:
         _check_input(inp, problems)
+    if isinstance(model, str) and model and Path(model).is_dir():
+        tok_dir = (data.get("engine") or {}).get("tokenizer") if isinstance(data.get("engine"), dict) else None
+        problem = tokenizer_problem(tok_dir or model)
+        if problem is not None:
+            problems.append(f"{'engine.tokenizer' if tok_dir else 'model'}: {problem}")
     if out is not None:
+        blocker = _not_a_directory(out.path)
+        if blocker is not None:
+            problems.append(f"output.path: {blocker} is not a directory{_relative_note(out.path)}")
         if out.format not in OUTPUT_FORMATS:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
         if out.rows_per_shard < 1:
@@ -351,6 +369,7 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
         return
     try:
         names = column_names(files, fmt)
+        check_readable(files, fmt)
     except Exception as e:  # noqa: BLE001
         problems.append(f"input.path: cannot read {inp.path!r} as {fmt}: {e}")
         return
@@ -363,7 +382,8 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
         col = getattr(inp, key)
         if col and col not in names:
             problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")
-    schema = schema_of(files, fmt)
+    # a column's type decides for every row of a typed format; JSON Lines type their values per row
+    schema = schema_of(files, fmt) if fmt != "jsonl" else None
     if inp.prompt_column and schema is not None and inp.prompt_column in schema.names:
         typ = schema.field(inp.prompt_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
@@ -396,7 +416,7 @@ def detect_format(inp: InputConfig, files: list[str]) -> str:
     if suffix in (".arrow", ".feather", ".ipc"):
         return "arrow"
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(first) as f:
+        with open(first, encoding="utf-8", errors="replace") as f:
             line = f.readline()
         try:
             obj = json.loads(line) if line.strip() else {}

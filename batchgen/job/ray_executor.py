@@ -28,17 +28,19 @@ import re
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.rows import input_row_id
-from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRunner, StopSignals, _clock
-from batchgen.job.sink import ShardSink, atomic_write_bytes
+from batchgen.job.rows import Request, RowIdentities, input_row_id
+from batchgen.job.runner import BOOKKEEPING_DIR, JobIncomplete, JobInterrupted, JobRunner, StopSignals, _clock
+from batchgen.job.sink import CommitGate, ShardDropped, ShardSink, atomic_write_bytes
 from batchgen.job.source import iter_range, iter_rows, schema_of
 from batchgen.ray_data import EngineReplica, apply_replicas
 
@@ -54,15 +56,16 @@ def read_units(batch: pa.Table, files: list[str], fmt: str, batch_rows: int, ope
     reader makes them, whatever the input's types), tagged with the unit and its row count."""
     out: dict[str, list[Any]] = {"_unit": [], "_unit_rows": [], "_position": [], "_row": []}
     for unit in batch.to_pylist():
-        skip = set(unit["skip"] or ())
+        duplicates = dict(zip(unit["duplicates"] or (), unit["duplicate_errors"] or (), strict=True))
         position = unit["start"]
         kept = []
         for rows in iter_range(files, fmt, unit["start"], unit["stop"], batch_rows):
             for row in rows:
-                if position not in skip:
-                    if not openai_in:
-                        row["row_index"] = position
-                    kept.append((position, row))
+                row["row_index"] = position
+                if position in duplicates:  # an earlier row's id: an error row, known by its position
+                    row["__error__"] = duplicates[position]
+                    row["__identity__"] = f"#{position}"
+                kept.append((position, row))
                 position += 1
         if position != unit["stop"]:
             raise RuntimeError(
@@ -87,7 +90,8 @@ class JobReplica(EngineReplica):
         self.key = "custom_id" if openai_in else cfg.input.id_column
         self.input_schema = input_schema
         out_fmt = "parquet" if cfg.output.format == "parquet" else "openai"
-        self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False)
+        gate = CommitGate(Path(cfg.output.path) / BOOKKEEPING_DIR)
+        self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=gate)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         units: dict[int, list[tuple[int, dict[str, Any]]]] = {}
@@ -109,9 +113,12 @@ class JobReplica(EngineReplica):
             dedup_before = self.rows_deduplicated
             rows = [row for _, row in items]
             requests, out_rows = self.generate_rows(
-                rows, [input_row_id(row, self.key, pos) for pos, row in items]
+                rows, [row.pop("__identity__", None) or input_row_id(row, self.key, pos) for pos, row in items]
             )
-            self.sink.write(out_rows, self.input_schema, index=unit)
+            try:
+                self.sink.write(out_rows, self.input_schema, index=unit)
+            except ShardDropped:  # the driver has stopped the job; the rerun does this unit
+                continue
             errors = Counter(_error(out) for out in out_rows if out.get("error") is not None)
             failed = sum(errors.values())
             summaries.append(
@@ -123,6 +130,7 @@ class JobReplica(EngineReplica):
                     "prompt_tokens": sum(len(r.token_ids or []) for r in requests if r.error is None),
                     "generated_tokens": sum(_generated(out) for out in out_rows),
                     "rows_deduplicated": self.rows_deduplicated - dedup_before,
+                    "structured_cut_short": sum(_cut_short(r, out) for r, out in zip(requests, out_rows, strict=True)),
                     "errors": json.dumps(dict(errors)),
                     "replica": self.name,
                     "engine": json.dumps(self.engine.stats(), default=str),
@@ -130,6 +138,15 @@ class JobReplica(EngineReplica):
                 }
             )
         return pa.Table.from_pylist(summaries)
+
+
+def _cut_short(request: Request, row: dict[str, Any]) -> bool:
+    """A row with structured outputs whose completion reached max_tokens inside its grammar."""
+    if request.params is None or request.params.structured_outputs is None:
+        return False
+    body = (row.get("response") or {}).get("body") or {}
+    completions = row.get("completions") or body.get("choices") or []
+    return any(c.get("finish_reason") == "length" for c in completions)
 
 
 def _error(row: dict[str, Any]) -> str:
@@ -201,8 +218,8 @@ class RayJobRunner(JobRunner):
     """A job on Ray Data; the output directory holds the same columns, manifest and report as a local
     run's, with shards named by unit of work (``part-ray-CCCCCC``)."""
 
-    def __init__(self, cfg: JobConfig, overwrite: bool = False) -> None:
-        super().__init__(cfg, overwrite)
+    def __init__(self, cfg: JobConfig, overwrite: bool = False, engine: LLMEngine | None = None) -> None:
+        super().__init__(cfg, overwrite)  # the replicas load their own engines: ``engine`` is unused
         self.shard_prefix = SHARD_PREFIX
 
     def run(self) -> JobReport:
@@ -214,25 +231,25 @@ class RayJobRunner(JobRunner):
         done = {int(m.group(1)) for m in map(have.match, sink.shard_rows()) if m}
         return [u for u in range(math.ceil(total / self.cfg.ray.batch_rows)) if u not in done]
 
-    def _duplicate_positions(self, total: int) -> dict[int, list[int]]:
-        """With an id column, a row whose id an earlier row has is skipped (as locally); the driver
-        finds them in one pass over the ids (only when ids come from the data)."""
+    def _duplicate_positions(self, total: int) -> dict[int, dict[int, str]]:
+        """With an id column, a row whose id an earlier row has is an error row known by its
+        position (as locally); the driver finds them in one pass over the ids. unit -> {position:
+        error}."""
         key = "custom_id" if self.openai_in else self.cfg.input.id_column
         if key is None:
             return {}
-        seen: set[str] = set()
-        skip: dict[int, list[int]] = {}
+        identities = RowIdentities(key)
+        found: dict[int, dict[int, str]] = {}
         position = 0
         for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
             for row in batch:
                 if position >= total:
                     break
-                rid = input_row_id(row, key, position)
-                if rid in seen:
-                    skip.setdefault(position // self.cfg.ray.batch_rows, []).append(position)
-                seen.add(rid)
+                _, error = identities(row, position)
+                if error is not None:
+                    found.setdefault(position // self.cfg.ray.batch_rows, {})[position] = error
                 position += 1
-        return skip
+        return found
 
     def _run_ray(self, signals: StopSignals) -> JobReport:
         import ray
@@ -249,10 +266,16 @@ class RayJobRunner(JobRunner):
         units = self._units(total, sink)
         if not units:
             return self._nothing_to_do(sink, total, rows_before)
-        skip = self._duplicate_positions(total)
+        duplicates = self._duplicate_positions(total)
         size = self.cfg.ray.batch_rows
         plan = [
-            {"unit": u, "start": u * size, "stop": min((u + 1) * size, total), "skip": skip.get(u, [])}
+            {
+                "unit": u,
+                "start": u * size,
+                "stop": min((u + 1) * size, total),
+                "duplicates": list(duplicates.get(u, {})),
+                "duplicate_errors": list(duplicates.get(u, {}).values()),
+            }
             for u in units
         ]
         report = JobReport(rows_total=total, rows_previously_done=rows_before)
@@ -266,6 +289,8 @@ class RayJobRunner(JobRunner):
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
         )
         engines: dict[str, dict] = {}
+        gate = CommitGate(self.meta_dir)
+        gate.open()
         started = False
         failure: Exception | None = None
         try:
@@ -290,7 +315,7 @@ class RayJobRunner(JobRunner):
                 num_cpus=0,  # light I/O, never waits for a CPU the replicas hold ...
                 concurrency=READ_TASKS,  # ... and few at once: each is a worker process to start
             )
-            schema = None if self.openai_in else schema_of(self.files, self.fmt)
+            schema = None if self.openai_in else schema_of(self.files, self.fmt, self.cfg.input.id_column)
             kwargs = {
                 "cfg": self.cfg,
                 "openai_in": self.openai_in,
@@ -311,10 +336,12 @@ class RayJobRunner(JobRunner):
             failure = e
         finally:
             bar.close()
+            # The replicas write their units' shards themselves, and after a signal or a failure
+            # some finished units the loop never accounted for. Once the gate is shut no replica
+            # adds a shard (one still running drops its own), so the manifest lists what is on disk.
+            gate.stop()
             if started:
                 ray.shutdown()
-            # The replicas write their units' shards themselves, and after a signal or a failure
-            # some finished units the loop never accounted for: the manifest lists what is on disk.
             sink.rescan()
             self._write_manifest(sink)
         if failure is not None:
@@ -333,7 +360,7 @@ class RayJobRunner(JobRunner):
         report.wall_s = time.perf_counter() - t_start
         report.fill_engine_stats(_combine(engines))
         report.rows_in_output, report.failed_in_output = sink.totals()
-        report.skipped_duplicate_ids = sum(len(v) for v in skip.values())
+        report.duplicate_ids = sum(len(duplicates.get(u, {})) for u in units)
         atomic_write_bytes(self.report_path, json.dumps(report.to_dict(), indent=2).encode())
         return report
 
@@ -343,6 +370,7 @@ class RayJobRunner(JobRunner):
         report.prompt_tokens += s["prompt_tokens"]
         report.generated_tokens += s["generated_tokens"]
         report.rows_deduplicated += s["rows_deduplicated"]
+        report.structured_cut_short += s["structured_cut_short"]
         for message, count in json.loads(s["errors"]).items():
             report.errors[message] = report.errors.get(message, 0) + count
         suffix = "parquet" if self.cfg.output.format == "parquet" else "jsonl"

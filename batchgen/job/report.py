@@ -11,7 +11,8 @@ class JobReport:
     rows_previously_done: int = 0
     rows_ok: int = 0
     rows_failed: int = 0
-    skipped_duplicate_ids: int = 0
+    duplicate_ids: int = 0  # rows whose id an earlier row has: error rows, known by their position
+    structured_cut_short: int = 0  # rows with structured outputs where a completion hit max_tokens inside it
     errors: dict[str, int] = field(default_factory=dict)  # failed rows of this run by message
     rows_in_output: int = 0
     failed_in_output: int = 0
@@ -91,6 +92,11 @@ class JobReport:
             lines.append(f"  failed, {len(top) - 5} other messages  {sum(c for _, c in top[5:])} rows")
         if self.rows_deduplicated:
             lines.append(f"  identical rows computed once {self.rows_deduplicated} copies")
-        if self.skipped_duplicate_ids:
-            lines.append(f"  duplicate ids skipped        {self.skipped_duplicate_ids}")
+        if self.structured_cut_short:
+            lines.append(
+                f"  structured rows cut short   {self.structured_cut_short}   (a completion reached max_tokens "
+                "inside its grammar: finish_reason length)"
+            )
+        if self.duplicate_ids:
+            lines.append(f"  rows with a repeated id      {self.duplicate_ids}   (error rows)")
         return "\n".join(lines)

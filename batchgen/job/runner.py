@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.rows import Request, RowCodec, input_row_id
+from batchgen.job.rows import Request, RowCodec, RowIdentities
 from batchgen.job.sink import ShardSink, atomic_write_bytes
 from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
 from batchgen.outputs import RequestOutput
@@ -110,9 +111,14 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
 
 
 class JobRunner:
-    def __init__(self, cfg: JobConfig, overwrite: bool = False) -> None:
+    """One job on this machine. ``engine``: an engine already loaded with the job's model and
+    engine settings, to run several jobs in one process (the row-path tests); by default the job
+    loads its own."""
+
+    def __init__(self, cfg: JobConfig, overwrite: bool = False, engine: LLMEngine | None = None) -> None:
         self.cfg = cfg
         self.overwrite = overwrite
+        self._engine = engine
         self.files = input_files(cfg.input.path)
         self.fmt = detect_format(cfg.input, self.files)
         self.openai_in = self.fmt == "openai"
@@ -182,6 +188,7 @@ class JobRunner:
     def _reader(
         self,
         q: queue.Queue,
+        compile_grammar: Callable[[Any], None],
         done: set[str],
         counts: dict[str, int],
         stop: threading.Event,
@@ -189,12 +196,11 @@ class JobRunner:
     ) -> None:
         from batchgen.model.loader import load_tokenizer
 
-        tokenizer = load_tokenizer(self.cfg.model)
+        tokenizer = load_tokenizer(self.cfg.engine.get("tokenizer") or self.cfg.model)
         sh_i, sh_n = self.shard or (0, 1)
-        seen: set[str] = set()
+        identities = RowIdentities("custom_id" if self.openai_in else self.cfg.input.id_column)
         position = 0
         limit = self.cfg.input.limit
-        key = "custom_id" if self.openai_in else self.cfg.input.id_column
         try:
             for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
                 if stop.is_set():
@@ -205,20 +211,22 @@ class JobRunner:
                     position += 1
                     if limit is not None and pos >= limit:
                         raise StopIteration
+                    # a row without an id (a malformed line), or with an earlier row's id: its
+                    # position; taken over every row, so that the workers of a sharded job agree
+                    rid, duplicate = identities(row, pos)
                     if pos % sh_n != sh_i:
                         continue
                     counts["rows_read"] += 1
-                    if not self.openai_in:
-                        row["row_index"] = pos  # every output row names its input position
-                    rid = input_row_id(row, key, pos)  # a row without an id (a malformed line): its position
+                    row["row_index"] = pos  # every output row names its input position
                     if rid in done:
                         counts["skipped_done"] += 1
                         continue
-                    if rid in seen:
-                        counts["duplicate_ids"] += 1
-                        continue
-                    seen.add(rid)
-                    self._offer(q, self.codec.build(tokenizer, row, rid), stop)
+                    counts["duplicate_ids"] += duplicate is not None
+                    if duplicate is not None:
+                        request = Request(row=row, rid=rid, error=duplicate)
+                    else:
+                        request = self.codec.build(tokenizer, row, rid, compile_grammar)
+                    self._offer(q, request, stop)
                     if stop.is_set():
                         return
             check_unchanged(state)
@@ -280,7 +288,7 @@ class JobRunner:
         total = self._count_input_rows()
         if total is not None and len(done) >= total:
             return self._nothing_to_do(sink, total, len(done))
-        engine = LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
+        engine = self._engine or LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
         # From here on a signal only stops the loop, and the reader and writer threads are always
         # stopped and joined before the job returns: a daemon thread still inside pyarrow or the
         # tokenizer when the interpreter exits can abort the process (SIGABRT, not 128 + signal).
@@ -294,9 +302,12 @@ class JobRunner:
         out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + QUEUE_FLOOR)
         stop = threading.Event()
         writer_errors: list[BaseException] = []
-        schema = None if self.openai_in else schema_of(self.files, self.fmt)
+        schema = None if self.openai_in else schema_of(self.files, self.fmt, self.cfg.input.id_column)
         reader = threading.Thread(
-            target=self._reader, args=(req_q, done, counts, stop, state), name="batchgen-reader", daemon=True
+            target=self._reader,
+            args=(req_q, engine.compile_grammar, done, counts, stop, state),
+            name="batchgen-reader",
+            daemon=True,
         )
         writer = threading.Thread(
             target=self._writer, args=(sink, out_q, schema, writer_errors), name="batchgen-writer", daemon=True
@@ -336,7 +347,7 @@ class JobRunner:
                 f"({loop.unfinished} unfinished dropped); rerun the same command to resume",
             )
         report.wall_s = time.perf_counter() - t_start
-        report.skipped_duplicate_ids = counts["duplicate_ids"]
+        report.duplicate_ids = counts["duplicate_ids"]
         report.prompt_tokens_perfect_order = loop.perfect.tokens
         report.fill_engine_stats(engine.stats())
         report.rows_in_output, report.failed_in_output = sink.totals()
@@ -512,6 +523,8 @@ class _MainLoop:
                 continue
             self.report.rows_ok += 1
             self.report.rows_deduplicated += i > 0
+            if row.params is not None and row.params.structured_outputs is not None:
+                self.report.structured_cut_short += any(c.finish_reason == "length" for c in out.outputs)
             self.report.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
             self.job._put(self.out_q, self.job.codec.row(row, out, None), self.writer_errors)
             self.bar.update(1)

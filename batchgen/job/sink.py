@@ -4,9 +4,12 @@ those rows, so nothing is lost or written twice whatever the moment the previous
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +43,79 @@ class OutputWriteError(RuntimeError):
         self.errno = error.errno
 
 
+class ShardDropped(RuntimeError):
+    """A shard finished after its job was stopped (a Ray replica outliving the driver's loop): it is
+    not kept, and the rerun does its rows again."""
+
+
+class CommitGate:
+    """Lets one process stop the shard commits of others (a Ray job's replicas) at a known moment.
+
+    A replica renames each shard into place under a shared ``flock`` on ``commits.lock``, and only
+    while ``commits.stopped`` is absent. The driver's ``stop`` takes the lock exclusively and creates
+    that file: once it returns, no shard appears on disk any more, so the manifest written next lists
+    every shard there is."""
+
+    def __init__(self, meta_dir: Path) -> None:
+        self.lock = meta_dir / "commits.lock"
+        self.stopped = meta_dir / "commits.stopped"
+
+    def open(self) -> None:
+        self.stopped.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        with self._locked(fcntl.LOCK_EX):
+            self.stopped.touch()
+
+    @contextlib.contextmanager
+    def commit(self, path: Path) -> Iterator[None]:
+        with self._locked(fcntl.LOCK_SH):
+            if self.stopped.exists():
+                raise ShardDropped(f"{path.name} finished after the job stopped; the rerun writes it again")
+            yield
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int) -> Iterator[None]:
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor drops its flock
+
+
 def _tmp_path(path: Path) -> Path:
     # the writer's pid keeps two processes writing the same name (a retried task) apart
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all: a temp file, fsync, rename. A failure (a full disk)
-    removes the temp file and raises ``OutputWriteError``; ``path`` keeps its old content."""
+def atomic_write_bytes(path: Path, data: bytes, gate: CommitGate | None = None) -> None:
+    """Write ``path`` whole or not at all: a temp file, fsync, rename (while ``gate`` is open). A
+    failure (a full disk) removes the temp file and raises ``OutputWriteError``; ``path`` keeps its
+    old content."""
     tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _commit(tmp, path, gate)
     except OSError as e:
         _discard(tmp)
         raise OutputWriteError(path, e) from e
     _fsync_dir(path.parent)
+
+
+def _commit(tmp: Path, path: Path, gate: CommitGate | None) -> None:
+    if gate is None:
+        os.replace(tmp, path)
+        return
+    try:
+        with gate.commit(path):
+            os.replace(tmp, path)
+    except ShardDropped:
+        _discard(tmp)
+        raise
 
 
 def _discard(path: Path) -> None:
@@ -81,6 +138,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Characters that JSON leaves unescaped but some line readers (Python's str.splitlines, JavaScript)
+# take for line ends: escaped, so that every reader sees one record per line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    return json.dumps(row, ensure_ascii=False, default=str).translate(_LINE_BREAKS) + "\n"
+
+
 class ShardSink:
     """Writes ``PREFIX-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards.
 
@@ -90,9 +156,16 @@ class ShardSink:
     """
 
     def __init__(
-        self, out_dir: str | Path, fmt: str, id_key: str, prefix: str = "part", clean: bool = True
+        self,
+        out_dir: str | Path,
+        fmt: str,
+        id_key: str,
+        prefix: str = "part",
+        clean: bool = True,
+        gate: CommitGate | None = None,
     ) -> None:
         self.dir = Path(out_dir)
+        self.gate = gate
         self.fmt = fmt
         self.id_key = id_key
         self.prefix = prefix
@@ -161,14 +234,14 @@ class ShardSink:
                 pq.write_table(table, tmp)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                os.replace(tmp, path)
+                _commit(tmp, path, self.gate)
             except OSError as e:
                 _discard(tmp)
                 raise OutputWriteError(path, e) from e
             _fsync_dir(self.dir)
         else:
-            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-            atomic_write_bytes(path, data)
+            data = "".join(_json_line(r) for r in rows).encode("utf-8", "replace")
+            atomic_write_bytes(path, data, self.gate)
         self.next_index = max(self.next_index, number + 1)
         if self._rows_by_shard is not None:
             self._rows_by_shard[path.name] = len(rows)
@@ -192,18 +265,48 @@ class ShardSink:
 
 _OUTPUT_NAMES = {o.name for o in OUTPUT_FIELDS}
 
+# The error of a row whose id an earlier row of the input has: such a row is known by its position.
+DUPLICATE_ID = "duplicate id"
+
+
+def duplicate_id_error(key: str, rid: str, first_position: int) -> str:
+    return f"{key}: {DUPLICATE_ID} {rid!r}: row {first_position} has it too; ids must be unique, they key resume"
+
+
+def as_text(value: Any) -> str:
+    """A value as a text column stores it: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def row_identity(value: Any, position: int, error: str | None = None) -> str:
+    """How a job knows a row, in the input and in its shards: its id as text (``as_text``, with one
+    more leading ``#`` when it starts with ``#``), or ``#POSITION`` for a row without an id or with
+    an id an earlier row has (``error`` then says so). The two forms never collide, and an id reads
+    back from a shard as the same text, whether its column kept the id's type or holds text."""
+    if value is None or (error is not None and f": {DUPLICATE_ID} " in error):
+        return f"#{position}"
+    text = as_text(value)
+    return "#" + text if text.startswith("#") else text
+
 
 def shard_ids(shard: Path, id_key: str) -> list[str]:
-    """The row ids in one shard, in order: ``str(id)``, or ``#POSITION`` for a row without an id."""
+    """The identities (``row_identity``) of the rows in one shard, in order."""
     if shard.suffix == ".parquet":
         names = pq.ParquetFile(shard).schema_arrow.names
         cols = [id_key] + (["row_index"] if "row_index" in names and id_key != "row_index" else [])
-        table = pq.read_table(shard, columns=cols)
+        table = pq.read_table(shard, columns=[*cols, "error"])
         ids = table.column(0).to_pylist()
-        positions = table.column(1).to_pylist() if len(cols) > 1 else [None] * len(ids)
-        return [str(v) if v is not None else f"#{pos}" for v, pos in zip(ids, positions, strict=True)]
+        positions = table.column(1).to_pylist() if len(cols) > 1 else ids
+        errors = table.column("error").to_pylist()
+        return [row_identity(v, pos, err) for v, pos, err in zip(ids, positions, errors, strict=True)]
+    out = []
     with open(shard) as f:
-        return [str(json.loads(line)["custom_id"]) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                error = (row.get("error") or {}).get("message")
+                out.append(row_identity(row["custom_id"], row.get("row_index", -1), error))
+    return out
 
 
 def output_schema(
@@ -214,9 +317,15 @@ def output_schema(
     if input_schema is not None:
         fields = [f for f in input_schema if f.name not in _OUTPUT_NAMES]
     else:
-        probe = pa.Table.from_pylist([{k: v for k, v in r.items() if k not in _OUTPUT_NAMES} for r in rows])
-        fields = list(probe.schema)
-    for key in dict.fromkeys(id_columns):  # every row names its input position
+        inputs = [{k: v for k, v in r.items() if k not in _OUTPUT_NAMES} for r in rows]
+        try:
+            fields = list(pa.Table.from_pylist(inputs).schema)
+        except Exception:  # noqa: BLE001 - values pyarrow cannot type together: text
+            fields = [pa.field(k, pa.string()) for k in dict.fromkeys(k for r in inputs for k in r)]
+        fields = [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in fields]
+    # every row names its input position, as int64 whatever an input column of that name held
+    fields = [f for f in fields if f.name != "row_index"]
+    for key in dict.fromkeys(id_columns):
         if key not in [f.name for f in fields]:
             fields.append(pa.field(key, pa.int64()))
     return pa.schema(fields + OUTPUT_FIELDS)
@@ -224,24 +333,29 @@ def output_schema(
 
 def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     """``rows`` as a table of ``schema``. A row whose input values do not fit keeps what fits; a
-    column whose values disagree in type holds them as JSON text; the rest becomes null."""
+    column whose values disagree in type holds them as JSON text; the rest becomes null. Whatever
+    the input values, this returns a table: a row's content never fails its shard."""
     try:
         return pa.Table.from_pylist(rows, schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
+    except Exception:  # noqa: BLE001 - any value pyarrow refuses (types, overflow, nesting): row by row
         fixed = []
         for r in rows:
             try:
                 pa.Table.from_pylist([r], schema=schema)
                 fixed.append(r)
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                clean = dict(r)
-                for f in schema:
-                    value = clean.get(f.name)
-                    if pa.types.is_string(f.type) and value is not None and not isinstance(value, str):
-                        clean[f.name] = value = json.dumps(value, ensure_ascii=False, default=str)
-                    try:
-                        pa.array([value], type=f.type)
-                    except (pa.ArrowInvalid, pa.ArrowTypeError):
-                        clean[f.name] = None
-                fixed.append(clean)
+            except Exception:  # noqa: BLE001
+                fixed.append(_fitted(r, schema))
         return pa.Table.from_pylist(fixed, schema=schema)
+
+
+def _fitted(row: dict[str, Any], schema: pa.Schema) -> dict[str, Any]:
+    clean = dict(row)
+    for f in schema:
+        value = clean.get(f.name)
+        if pa.types.is_string(f.type) and value is not None and not isinstance(value, str):
+            clean[f.name] = value = as_text(value)
+        try:
+            pa.array([value], type=f.type)
+        except Exception:  # noqa: BLE001
+            clean[f.name] = None
+    return clean

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,19 +68,42 @@ def _jsonl_files(files: list[str]) -> list[Path]:
     return out
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(value: Any) -> Any:
+    """``value`` with every string in it (keys included) made valid Unicode: a lone surrogate, which
+    JSON's ``\\ud800`` escapes can carry but UTF-8 cannot, becomes U+FFFD."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [valid_text(v) for v in value]
+    return value
+
+
 def _iter_jsonl(files: list[str], batch_rows: int) -> Iterator[list[dict[str, Any]]]:
+    """Rows of JSON Lines files. Bytes that are not UTF-8 and lone surrogate escapes become U+FFFD
+    (the rest of the row is kept); a line that is not a JSON object becomes an error row."""
     batch: list[dict[str, Any]] = []
     for path in _jsonl_files(files):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():  # the test count_rows makes, so that both count the same lines
                     continue
+                line = raw.decode("utf-8", errors="replace")
                 try:
                     row = json.loads(line)
                     if not isinstance(row, dict):
                         raise ValueError("not a JSON object")
-                except ValueError as e:
-                    row = {"__error__": f"{path.name} line {lineno}: invalid JSON ({e})"}
+                    row = valid_text(row)
+                except (ValueError, RecursionError) as e:
+                    row = {"__error__": f"{path.name} line {lineno}: invalid JSON ({valid_text(str(e))[:200]})"}
                 batch.append(row)
                 if len(batch) >= batch_rows:
                     yield batch
@@ -94,11 +118,28 @@ def column_names(files: list[str], fmt: str) -> list[str] | None:
         return list(_arrow_dataset(files, fmt).schema.names)
     if fmt == "hf":
         return list(_hf_dataset(files).column_names)
-    if fmt == "jsonl":
-        for batch in _iter_jsonl(files, 1):
-            return list(batch[0].keys()) if "__error__" not in batch[0] else None
-        return []
+    if fmt == "jsonl":  # the keys of every line: a column that only some lines have is a column
+        keys: dict[str, None] = {}
+        lines = 0
+        for batch in _iter_jsonl(files, 4096):
+            for row in batch:
+                lines += 1
+                if "__error__" not in row:
+                    keys.update(dict.fromkeys(row))
+        return list(keys) if keys or not lines else None
     return None
+
+
+def check_readable(files: list[str], fmt: str) -> None:
+    """Raise, naming the file, unless every file of a Parquet or Arrow input opens: a corrupt file
+    is found with the config, before any work, not halfway through the job."""
+    if fmt not in ("parquet", "arrow"):
+        return
+    for fragment in _arrow_dataset(files, fmt).get_fragments():
+        try:
+            fragment.count_rows()
+        except Exception as e:  # noqa: BLE001 - re-raised with the file's name
+            raise ValueError(f"{fragment.path}: {e}") from None
 
 
 def count_rows(files: list[str], fmt: str) -> int | None:
@@ -118,24 +159,32 @@ def count_rows(files: list[str], fmt: str) -> int | None:
     return None
 
 
-def schema_of(files: list[str], fmt: str) -> pa.Schema | None:
+def schema_of(files: list[str], fmt: str, id_column: str | None = None) -> pa.Schema | None:
     """The input's schema, which the output's input columns follow. For JSONL: the union of the
     keys of every line, in order of first appearance, each typed from its values (text where they
-    disagree), so that no key is lost and every shard of a job has one schema."""
+    disagree), so that no key is lost and every shard of a job has one schema; ``id_column`` keeps
+    a native type only when every line's id has it (else text), so that every id is stored."""
     if fmt in ("parquet", "arrow"):
         return _arrow_dataset(files, fmt).schema
     if fmt == "hf":
         return _hf_dataset(files).data.schema
     if fmt == "jsonl":
-        return _jsonl_schema(files)
+        return _jsonl_schema(files, id_column)
     return None
 
 
 _SCHEMA_SAMPLES = 512  # values per key that decide its type
 
 
-def _jsonl_schema(files: list[str]) -> pa.Schema:
+def _kind(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "int" if -(2**63) <= value < 2**63 else "bigint"
+    return type(value).__name__
+
+
+def _jsonl_schema(files: list[str], id_column: str | None = None) -> pa.Schema:
     samples: dict[str, list[Any]] = {}
+    id_kinds: set[str] = set()
     for batch in _iter_jsonl(files, 4096):
         for row in batch:
             if "__error__" in row:
@@ -144,28 +193,77 @@ def _jsonl_schema(files: list[str]) -> pa.Schema:
                 values = samples.setdefault(key, [])
                 if value is not None and len(values) < _SCHEMA_SAMPLES:
                     values.append(value)
+                if key == id_column and value is not None:
+                    id_kinds.add(_kind(value))
     fields = []
     for key, values in samples.items():
+        if key == id_column and not (len(id_kinds) == 1 and id_kinds <= {"int", "float", "str", "bool"}):
+            fields.append(pa.field(key, pa.string()))
+            continue
         try:
             typ = pa.array(values).type if values else pa.string()
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            typ = pa.string()
+            _check_storable(pa.table({"x": pa.array(values, typ)}))
+        except Exception:  # noqa: BLE001 - values pyarrow cannot type together (mixed, nested, huge) or
+            typ = pa.string()  # Parquet cannot store (a struct without fields) are text
         fields.append(pa.field(key, pa.string() if pa.types.is_null(typ) else typ))
     return pa.schema(fields)
+
+
+def _check_storable(table: pa.Table) -> None:
+    """Raise unless Parquet can store ``table``'s types (an empty struct, say, it cannot)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, io.BytesIO())
+
+
+def _pylist(rb: pa.RecordBatch) -> list[dict[str, Any]]:
+    """A record batch's rows as dicts. Text columns holding bytes that are not UTF-8 (a file written
+    without validation) are read with U+FFFD for the bad bytes, as JSON Lines are; a cell that still
+    cannot be read makes its row an error row naming the column."""
+    try:
+        return rb.to_pylist()
+    except Exception:  # noqa: BLE001 - column by column, then cell by cell
+        pass
+    columns: dict[str, list[Any]] = {}
+    bad: dict[int, str] = {}
+    for name, col in zip(rb.schema.names, rb.columns, strict=True):
+        try:
+            columns[name] = col.to_pylist()
+            continue
+        except Exception:  # noqa: BLE001
+            pass
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            raw = col.view(pa.binary() if pa.types.is_string(col.type) else pa.large_binary()).to_pylist()
+            columns[name] = [None if v is None else v.decode("utf-8", errors="replace") for v in raw]
+            continue
+        values = []
+        for i in range(len(col)):
+            try:
+                values.append(col[i].as_py())
+            except Exception as e:  # noqa: BLE001
+                values.append(None)
+                bad.setdefault(i, f"{name} cannot be read: {valid_text(str(e))[:200]}")
+        columns[name] = values
+    rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    for i, error in bad.items():
+        rows[i]["__error__"] = error
+    return rows
 
 
 def iter_rows(files: list[str], fmt: str, batch_rows: int) -> Iterator[list[dict[str, Any]]]:
     """Batches of input rows (dicts), in input order."""
     if fmt in ("parquet", "arrow"):
         for rb in _arrow_dataset(files, fmt).to_batches(batch_size=batch_rows):
-            yield rb.to_pylist()
+            yield _pylist(rb)
     elif fmt == "hf":
         ds = _hf_dataset(files)
         if getattr(ds, "_indices", None) is not None:
             ds = ds.flatten_indices()
         table = ds.data.table if hasattr(ds.data, "table") else ds.data
         for rb in table.to_batches(max_chunksize=batch_rows):
-            yield rb.to_pylist()
+            yield _pylist(rb)
     elif fmt in ("jsonl", "openai"):
         yield from _iter_jsonl(files, batch_rows)
     else:
@@ -186,7 +284,7 @@ def iter_range(files: list[str], fmt: str, start: int, stop: int, batch_rows: in
                 lo, hi = max(start - offset, 0), min(stop - offset, n)
                 if lo < hi:
                     for rb in piece.to_table().slice(lo, hi - lo).to_batches(max_chunksize=batch_rows):
-                        yield rb.to_pylist()
+                        yield _pylist(rb)
                 offset += n
                 if offset >= stop:
                     return
@@ -196,7 +294,7 @@ def iter_range(files: list[str], fmt: str, start: int, stop: int, batch_rows: in
             ds = ds.flatten_indices()
         table = ds.data.table if hasattr(ds.data, "table") else ds.data
         for rb in table.slice(start, max(stop - start, 0)).to_batches(max_chunksize=batch_rows):
-            yield rb.to_pylist()
+            yield _pylist(rb)
     else:
         position = 0
         for batch in iter_rows(files, fmt, batch_rows):

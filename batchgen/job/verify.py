@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.job.config import ConfigError, JobConfig, detect_format, input_files, load_job_config
-from batchgen.job.rows import input_row_id
+from batchgen.job.rows import RowIdentities
 from batchgen.job.sink import atomic_write_bytes, shard_ids
 from batchgen.job.source import iter_rows
 
@@ -91,17 +91,17 @@ def expected_ids(cfg: JobConfig) -> list[str]:
     """The ids of the input rows a job produces, each once, in input order."""
     files = input_files(cfg.input.path)
     fmt = detect_format(cfg.input, files)
-    key = "custom_id" if fmt == "openai" else cfg.input.id_column
-    ids: dict[str, None] = {}
+    identities = RowIdentities("custom_id" if fmt == "openai" else cfg.input.id_column)
+    ids: list[str] = []
     position = 0
     limit = cfg.input.limit
     for batch in iter_rows(files, fmt, cfg.input.batch_rows):
         for row in batch:
             if limit is not None and position >= limit:
-                return list(ids)
-            ids[input_row_id(row, key, position)] = None
+                return ids
+            ids.append(identities(row, position)[0])
             position += 1
-    return list(ids)
+    return ids
 
 
 def verify(out_dir: str | Path, config: str | None = None) -> Verification:
@@ -143,7 +143,7 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
         "prompt_tokens",
         "generated_tokens",
         "rows_deduplicated",
-        "skipped_duplicate_ids",
+        "duplicate_ids",
     )
     for path in reports:
         try:

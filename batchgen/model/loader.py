@@ -39,9 +39,32 @@ def load_config(model_dir: str | os.PathLike):
     return config
 
 
+# Files one of which a tokenizer directory holds (fast, sentencepiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def tokenizer_problem(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` cannot hold a tokenizer, or None: without any tokenizer file transformers
+    would try to convert a slow tokenizer and fail with a message about missing packages."""
+    path = Path(directory)
+    if not path.is_dir():
+        return f"tokenizer directory {str(path)!r} does not exist"
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return None
+    return (
+        f"no tokenizer in {str(path)!r}: expected tokenizer.json or tokenizer_config.json (or a "
+        "sentencepiece tokenizer.model); give the directory of the model's tokenizer as "
+        "engine.tokenizer in a job, or LLM(..., tokenizer=...)"
+    )
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
     from transformers import AutoTokenizer
 
+    problem = tokenizer_problem(model_dir)
+    if problem is not None:
+        raise ModelLoadError(problem)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001

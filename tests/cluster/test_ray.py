@@ -129,6 +129,35 @@ def test_the_ray_executor_writes_what_the_local_one_writes_and_resumes(ray_clust
     assert_same_rows(by_id(out), want)
 
 
+def test_broken_text_and_repeated_ids_are_error_rows_under_ray_too(ray_cluster, tmp_path, llama_dir):
+    """A JSONL input with a lone surrogate escape, bytes that are not UTF-8, a line that is not JSON
+    and a repeated id: under Ray each row comes out once, as the local executor writes it, and no
+    task fails."""
+    lines = [json.dumps({"id": f"r{i}", "prompt": f"w{i} w{i + 1}", "params": {"temperature": 0}}).encode()
+             for i in range(10)]
+    lines[2] = b'{"id": "r2", "prompt": "w9 \\ud800 w10"}'
+    lines[4] = b'{"id": "r4", "prompt": "bytes \xff here"}'
+    lines[6] = b"not json"
+    lines[8] = b'{"id": "r1", "prompt": "a repeated id"}'
+    data = tmp_path / "in.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    spec = {"path": str(data), "prompt_column": "prompt", "id_column": "id", "params_column": "params"}
+    config = write_config(tmp_path, llama_dir, spec, {"max_tokens": 4, "temperature": 0}, ray=RAY)
+    local = load_job_config(config, ["run.progress=false", f"output.path={tmp_path / 'local'}"])
+    JobRunner(local).run()
+    RayJobRunner(ray_cfg(config, tmp_path / "ray")).run()
+    want = {r["row_index"]: r for r in pq.read_table(tmp_path / "local").to_pylist()}
+    got = {r["row_index"]: r for r in pq.read_table(tmp_path / "ray").to_pylist()}
+    assert sorted(got) == sorted(want) == list(range(10))
+    for i, w in want.items():
+        assert (got[i]["id"], got[i]["prompt"], got[i]["error"]) == (w["id"], w["prompt"], w["error"]), i
+        assert [c["token_ids"] for c in got[i]["completions"] or []] == [c["token_ids"] for c in w["completions"] or []]
+    assert want[2]["prompt"] == "w9 \ufffd w10" and want[2]["error"] is None
+    assert want[4]["prompt"] == "bytes \ufffd here" and want[4]["error"] is None
+    assert want[6]["error"].startswith("in.jsonl line 7: invalid JSON")
+    assert want[8]["error"].startswith("id: duplicate id 'r1': row 1 has it too")
+
+
 def test_sigterm_once_ray_has_started_saves_the_finished_units_and_a_rerun_completes(ray_cluster, job):
     """The manifest is written once Ray is up; a SIGTERM from then on (here: at once) stops the job.
     The manifest then lists every shard on disk, the units the replicas finished after the driver

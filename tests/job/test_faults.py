@@ -324,3 +324,38 @@ def test_an_engine_error_on_one_request_becomes_that_rows_error(tmp_path, llama_
     out = {r["id"]: r for r in read_output(tmp_path / "out")}
     assert "cannot be scheduled in a pool of 4 KV blocks" in out[1]["error"]
     assert out[0]["error"] is None and out[2]["error"] is None and out[0]["completions"]
+
+
+def test_once_the_commit_gate_is_shut_no_other_process_adds_a_shard(tmp_path):
+    """The Ray driver's guarantee that its last manifest lists every shard: a process inside its
+    commit when ``stop`` is called finishes it first; one that commits after drops its shard,
+    leaving neither the shard nor its temp file."""
+    from batchgen.job.sink import CommitGate, ShardDropped, ShardSink
+
+    meta = tmp_path / ".batchgen"
+    meta.mkdir()
+    gate = CommitGate(meta)
+    gate.open()
+    writer = subprocess.Popen(  # holds the gate (as a replica renaming a shard) for a second
+        [sys.executable, "-c", (
+            "import sys, time; from pathlib import Path; from batchgen.job.sink import CommitGate\n"
+            "out = Path(sys.argv[1]); gate = CommitGate(out / '.batchgen')\n"
+            "with gate.commit(out / 'part-ray-000001.parquet'):\n"
+            "    (out / 'started').touch(); time.sleep(1.0); (out / 'part-ray-000001.parquet').write_bytes(b'x')\n"
+        ), str(tmp_path)],
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert writer.poll() is None and time.monotonic() < deadline, "the writer did not start"
+        time.sleep(0.01)
+    gate.stop()  # waits for the commit in progress
+    assert (tmp_path / "part-ray-000001.parquet").exists()
+    assert writer.wait(timeout=60) == 0
+    sink = ShardSink(tmp_path, "parquet", "id", prefix="part-ray", clean=False, gate=gate)
+    with pytest.raises(ShardDropped):
+        sink.write([{"id": "a", "prompt": "p", "error": None}], None, index=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".batchgen", "part-ray-000001.parquet", "started"]
+    gate.open()  # a rerun opens it again
+    sink.write([{"id": "a", "prompt": "p", "error": None}], None, index=2)
+    assert (tmp_path / "part-ray-000002.parquet").exists()

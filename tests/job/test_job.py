@@ -102,7 +102,7 @@ def test_config_errors_exit_2_with_one_message(tmp_path, llama_dir):
     for needle in (
         "bogus: unknown top-level key",
         "input.colour: unknown key",
-        "temperature must be >= 0",
+        "temperature must be a finite number >= 0",
         "input.prompt_column: column 'text' is not in the data",
     ):
         assert needle in res.stderr, res.stderr
