@@ -43,8 +43,9 @@ def cmd_job(args: argparse.Namespace) -> int:
     2 refused before any work (config errors, another config's output, a directory in use),
     128 + signal number when SIGTERM / SIGINT stopped it (finished rows saved)."""
     from batchgen.job.config import ConfigError, load_job_config
+    from batchgen.job.lifecycle import JobIncomplete, JobInterrupted, JobRefused
     from batchgen.job.lock import OutputLocked
-    from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRefused, JobRunner
+    from batchgen.job.runner import JobRunner
     from batchgen.job.sink import OutputWriteError
     from batchgen.job.source import InputChanged
 

@@ -64,6 +64,42 @@ def test_no_import_cycle():
     assert cycle is None, " -> ".join(cycle)
 
 
+def unit(module: str) -> str:
+    """The part of the package a module belongs to: ``batchgen.job.runner`` -> ``batchgen.job``."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycle_between_the_parts_of_the_package():
+    """Seen as parts (``batchgen.job``, ``batchgen.engine``, ``batchgen.ray_data``, ...), the
+    imports run one way: a part never imports one that imports it (the package's own ``__init__``,
+    which re-exports the API, aside)."""
+    graph: dict[str, set[str]] = {}
+    for mod, deps in import_graph().items():
+        if mod in PACKAGES:
+            continue
+        graph.setdefault(unit(mod), set()).update(unit(d) for d in deps if d not in PACKAGES and unit(d) != unit(mod))
+    for deps in graph.values():
+        deps &= graph.keys()
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A leading underscore means "this module's own": another module that needs it gets a public
+    name in a shared place instead."""
+    roots = [base / pkg for pkg, base in PACKAGES.items()] + [ROOT / "scripts"]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{alias.name}"
+        for root in roots
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not wrong, wrong
+
+
 def test_layers_import_downwards_only():
     forbidden = {
         "batchgen.model": ("batchgen.engine", "batchgen.job", "batchgen.llm"),

@@ -25,7 +25,6 @@ import json
 import math
 import pickle
 import re
-import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,13 +35,21 @@ from tqdm.auto import tqdm
 
 from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig
+from batchgen.job.lifecycle import (
+    JobIncomplete,
+    StopSignals,
+    interrupted,
+    progress_bar,
+    save_report,
+    show_progress,
+)
 from batchgen.job.lock import OutputLock
+from batchgen.job.replicas import EngineReplica, apply_replicas
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowIdentities, input_row_id
-from batchgen.job.runner import BOOKKEEPING_DIR, JobIncomplete, JobInterrupted, JobRunner, StopSignals, _clock
-from batchgen.job.sink import CommitGate, ShardDropped, ShardSink, atomic_write_bytes
+from batchgen.job.runner import BOOKKEEPING_DIR, JobRunner
+from batchgen.job.sink import CommitGate, ShardDropped, ShardSink
 from batchgen.job.source import iter_range, iter_rows, schema_of
-from batchgen.ray_data import EngineReplica, apply_replicas
 
 SHARD_PREFIX = "part-ray"
 READ_TASKS = 2  # read tasks at once: they run ahead of the replicas by Ray Data's backpressure
@@ -279,15 +286,7 @@ class RayJobRunner(JobRunner):
             for u in units
         ]
         report = JobReport(rows_total=total, rows_previously_done=rows_before)
-        bar = tqdm(
-            total=total,
-            initial=rows_before,
-            unit="row",
-            desc="batchgen (ray)",
-            disable=not self.cfg.run.progress,
-            dynamic_ncols=True,
-            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
-        )
+        bar = progress_bar(total, rows_before, "batchgen (ray)", self.cfg.run.progress)
         engines: dict[str, dict] = {}
         gate = CommitGate(self.meta_dir)
         gate.open()
@@ -352,16 +351,12 @@ class RayJobRunner(JobRunner):
             ) from failure
         if signals.received is not None:
             rows, _ = sink.totals()
-            raise JobInterrupted(
-                signals.received,
-                f"interrupted by {signal.Signals(signals.received).name}: {rows} rows saved in {self.out_dir}; "
-                "rerun the same command to resume",
-            )
+            raise interrupted(signals.received, rows, self.out_dir)
         report.wall_s = time.perf_counter() - t_start
         report.fill_engine_stats(_combine(engines))
         report.rows_in_output, report.failed_in_output = sink.totals()
         report.duplicate_ids = sum(len(duplicates.get(u, {})) for u in units)
-        atomic_write_bytes(self.report_path, json.dumps(report.to_dict(), indent=2).encode())
+        save_report(self.report_path, report)
         return report
 
     def _account(self, report: JobReport, s: dict[str, Any], sink: ShardSink) -> None:
@@ -382,10 +377,8 @@ class RayJobRunner(JobRunner):
         elapsed = time.perf_counter() - t_run
         done = report.rows_ok + report.rows_failed
         rate = report.generated_tokens / elapsed if elapsed > 0 else 0.0
-        eta = ""
-        if bar.total and done:
-            eta = f", ETA {_clock((bar.total - bar.n) * elapsed / done)}"
-        bar.set_postfix_str(f"{report.generated_tokens} tokens, {rate:.0f} tok/s{eta}", refresh=True)
+        eta = (bar.total - bar.n) * elapsed / done if bar.total and done else None
+        show_progress(bar, report.generated_tokens, rate, eta)
 
 
 def _combine(engines: dict[str, dict]) -> dict[str, Any]:

@@ -15,10 +15,8 @@ Three threads, joined by bounded queues so memory stays bounded whatever the dat
 from __future__ import annotations
 
 import json
-import os
 import queue
 import shutil
-import signal
 import threading
 import time
 from collections import deque
@@ -32,6 +30,15 @@ from batchgen.config import EngineConfig
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
+from batchgen.job.lifecycle import (
+    JobIncomplete,
+    JobRefused,
+    StopSignals,
+    interrupted,
+    progress_bar,
+    save_report,
+    show_progress,
+)
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowCodec, RowIdentities
@@ -43,60 +50,6 @@ _END = object()
 RATE_WINDOW_S = 30.0  # the progress bar's tokens/s is measured over this many recent seconds
 BOOKKEEPING_DIR = ".batchgen"  # manifest, report and locks, inside the output directory
 QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
-
-
-class JobRefused(RuntimeError):
-    """The output directory holds a run with a different config; the message says what changed."""
-
-
-class JobIncomplete(RuntimeError):
-    """The job ended without every input row in the output (the input shrank while it ran)."""
-
-
-class JobInterrupted(Exception):
-    """SIGTERM or SIGINT stopped the job; the finished rows were saved."""
-
-    def __init__(self, signum: int, message: str = "") -> None:
-        super().__init__(message or f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-class StopSignals:
-    """SIGTERM (how Kubernetes stops a pod) and SIGINT (Ctrl-C) stop a job cleanly.
-
-    While the model loads, a signal raises ``JobInterrupted`` at once. Once rows flow
-    (``graceful = True``) it only sets ``received``: the runner stops admitting rows, writes every
-    finished one and the manifest, and raises ``JobInterrupted``. A second signal exits at once.
-    Only the main thread can take signals; elsewhere this does nothing.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.graceful = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:
-            os._exit(128 + signum)
-        self.received = signum
-        if not self.graceful:
-            raise JobInterrupted(signum)
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -314,15 +267,7 @@ class JobRunner:
         )
 
         report = JobReport(rows_total=total, rows_previously_done=len(done))
-        bar = tqdm(
-            total=total,
-            initial=len(done),
-            unit="row",
-            desc="batchgen",
-            disable=not self.cfg.run.progress,
-            dynamic_ncols=True,
-            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]",
-        )
+        bar = progress_bar(total, len(done), "batchgen", self.cfg.run.progress)
         lookahead = self.cfg.run.lookahead_rows or 4 * cap
         loop = _MainLoop(self, engine, req_q, out_q, writer_errors, report, bar, cap, lookahead)
         try:
@@ -341,17 +286,13 @@ class JobRunner:
             raise writer_errors[0]
         if signals.received is not None:
             rows, _ = sink.totals()
-            raise JobInterrupted(
-                signals.received,
-                f"interrupted by {signal.Signals(signals.received).name}: {rows} rows saved in {self.out_dir} "
-                f"({loop.unfinished} unfinished dropped); rerun the same command to resume",
-            )
+            raise interrupted(signals.received, rows, self.out_dir, dropped=loop.unfinished)
         report.wall_s = time.perf_counter() - t_start
         report.duplicate_ids = counts["duplicate_ids"]
         report.prompt_tokens_perfect_order = loop.perfect.tokens
         report.fill_engine_stats(engine.stats())
         report.rows_in_output, report.failed_in_output = sink.totals()
-        atomic_write_bytes(self.report_path, json.dumps(report.to_dict(), indent=2).encode())
+        save_report(self.report_path, report)
         if total is not None and counts["rows_read"] != total:
             raise JobIncomplete(
                 f"the input had {total} rows when the job started but {counts['rows_read']} were read; "
@@ -557,17 +498,9 @@ class _MainLoop:
         rate = (tokens - window[0][1]) / (now - window[0][0]) if now > window[0][0] else 0.0
         finished = self.report.rows_ok
         per_row = self.report.generated_tokens / finished if finished else self.tokens_per_row
-        eta = ""
+        eta = None
         if self.bar.total is not None and rate > 0:
             rows_left = max(self.bar.total - self.bar.n, 0)
-            left = max(rows_left * per_row - (tokens - self.report.generated_tokens), 0.0)
-            eta = f", ETA {_clock(left / rate)}"
-        self.bar.set_postfix_str(
-            f"{len(self.in_flight)} in flight, {tokens} tokens, {rate:.0f} tok/s{eta}", refresh=True
-        )
+            eta = max(rows_left * per_row - (tokens - self.report.generated_tokens), 0.0) / rate
+        show_progress(self.bar, tokens, rate, eta, in_flight=len(self.in_flight))
 
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"

@@ -8,9 +8,16 @@ decode and prefill kernels), built into one shared library at first use.
 The library is compiled with the system C++ compiler (``$CXX``, else g++, c++ or clang++; no
 Python headers, no downloads; one object file per source, as many at once as there are CPUs, then
 one link: about 10 seconds on 2 cores) into ``$BATCHGEN_CACHE`` (default ``~/.cache/batchgen``),
-under a name keyed by the sources, the flags, the compiler and the CPU, and loaded with ctypes. It links
+under a name keyed by the sources, the flags and the compiler, and loaded with ctypes. It links
 OpenMP by soname, so it shares torch's OpenMP runtime (one thread pool). Where it cannot be built,
 ``load`` raises ``KernelUnavailable`` and callers keep their torch code, which stays the reference.
+
+On x86-64 the sources build into one of several instruction-set variants (``VARIANTS``: avx2,
+avx512, avx512_bf16, amx; ``default`` has none of them), each with its own ``-m`` flags; the
+variant is chosen at run time, the best one this CPU's features allow.
+``BATCHGEN_CPU_CAPABILITY=<variant>`` forces a lower one (as ``ATEN_CPU_CAPABILITY`` does
+torch's), which is how the tests run every variant a CPU can execute. Elsewhere (aarch64) the one
+variant is ``native``, built with ``-march=native``.
 """
 
 from __future__ import annotations
@@ -29,8 +36,31 @@ SOURCES = [
     HERE / f"{name}.cpp"
     for name in ("cpu_attention", "cpu_prefill", "cpu_sampling", "cpu_ops", "cpu_beam", "cpu_gemm")
 ]
-HEADERS = [HERE / "cpu_simd.h", HERE / "cpu_amx.h"]
-FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+HEADERS = [HERE / "cpu_simd.h", HERE / "cpu_amx.h", HERE / "cpu_intrin.h"]
+# -Wno-psabi: GCC notes that 64-byte vectors pass differently without AVX-512; the helpers taking
+# them are inline and never cross the library's C entry points
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
+WARNINGS = ["-Wall", "-Wextra", "-Werror"]  # what tests/kernels/test_variants.py builds every variant with
+
+_AVX2 = (["-mavx2", "-mfma", "-mf16c"], ["avx2", "fma", "f16c"])
+_AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"], ["avx512f", "avx512bw", "avx512vl", "avx512dq"])
+_BF16 = (["-mavx512bf16"], ["avx512_bf16"])
+_AMX = (["-mamx-tile", "-mamx-bf16"], ["amx_tile", "amx_bf16"])
+
+
+def _variant(*parts: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
+    return [f for p in parts for f in p[0]], [f for p in parts for f in p[1]]
+
+
+# x86-64 instruction-set variants, lowest first: name -> (compiler flags, /proc/cpuinfo features needed)
+VARIANTS: dict[str, tuple[list[str], list[str]]] = {
+    "default": ([], []),
+    "avx2": _variant(_AVX2),
+    "avx512": _variant(_AVX2, _AVX512),
+    "avx512_bf16": _variant(_AVX2, _AVX512, _BF16),
+    "amx": _variant(_AVX2, _AVX512, _BF16, _AMX),
+}
+NATIVE: dict[str, tuple[list[str], list[str]]] = {"native": (["-march=native"], [])}  # other architectures: what the compiler sees here
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # q, k, v, tables, width, context lengths, rows, heads, kv_heads, dim, num_blocks, block_size, scale,
@@ -104,17 +134,51 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_features() -> set[str]:
+    """This CPU's feature flags, as Linux lists them in ``/proc/cpuinfo``."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line
+                return set(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return set()
 
 
-def _compile(compiler: str, flags: list[str], out: Path) -> None:
+def variants() -> dict[str, tuple[list[str], list[str]]]:
+    """The variants this architecture has, lowest first."""
+    return VARIANTS if platform.machine() in ("x86_64", "AMD64") else NATIVE
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can execute, lowest first."""
+    features = cpu_features()
+    return [name for name, (_, needs) in variants().items() if set(needs) <= features]
+
+
+def chosen_variant() -> str:
+    """The variant ``load`` builds: the best this CPU runs, or ``BATCHGEN_CPU_CAPABILITY``'s."""
+    runnable = runnable_variants()
+    forced = os.environ.get("BATCHGEN_CPU_CAPABILITY", "").strip().lower()
+    if not forced:
+        return runnable[-1]
+    if forced not in variants():
+        raise KernelUnavailable(
+            f"BATCHGEN_CPU_CAPABILITY={forced!r} is not a variant here (one of {', '.join(variants())})"
+        )
+    if forced not in runnable:
+        raise KernelUnavailable(
+            f"BATCHGEN_CPU_CAPABILITY={forced!r}: this CPU lacks "
+            f"{', '.join(sorted(set(variants()[forced][1]) - cpu_features()))}"
+        )
+    return forced
+
+
+def variant_flags(name: str) -> list[str]:
+    return [*FLAGS, *variants()[name][0]]
+
+
+def compile_library(compiler: str, flags: list[str], out: Path) -> None:
     """Each source into an object file, as many at once as there are CPUs (the attention kernel's
     source alone takes most of the time), then one link into ``out``."""
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
@@ -190,29 +254,29 @@ def compiler() -> str | None:
 
 
 def _build_and_load() -> ctypes.CDLL:
+    global variant
     compiler_name = compiler()
     if compiler_name is None:
         raise KernelUnavailable("no C++ compiler on PATH (g++, c++ or clang++; or set CXX)")
     version = subprocess.run([compiler_name, "--version"], capture_output=True, text=True).stdout
     text = [p.read_text() for p in SOURCES + HEADERS]
-    last_error = KernelUnavailable("no build attempted")
-    for flags in ([*FLAGS, "-march=native"], FLAGS):  # -march=native: AVX-512 where the CPU has it
-        key = hashlib.sha256("\0".join([*text, *flags, version, _cpu_flags(), platform.machine()]).encode())
-        path = cache_dir() / f"batchgen_cpu-{key.hexdigest()[:16]}.so"
-        try:
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _compile(compiler_name, flags, path)
-            lib = ctypes.CDLL(str(path))
-        except KernelUnavailable as e:
-            last_error = e
-            continue
-        except OSError as e:
-            last_error = KernelUnavailable(f"{path}: {e}")
-            continue
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
-        return lib
-    raise last_error
+    name = chosen_variant()
+    flags = variant_flags(name)
+    key = hashlib.sha256("\0".join([*text, *flags, version, platform.machine()]).encode())
+    path = cache_dir() / f"batchgen_cpu-{name}-{key.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compile_library(compiler_name, flags, path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"{path}: {e}") from e
+    for fn_name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    variant = name
+    return lib
+
+
+variant: str | None = None  # the variant loaded, once ``load`` has built it

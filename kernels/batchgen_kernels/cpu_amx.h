@@ -13,7 +13,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define BATCHGEN_AMX 1
 
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -216,7 +216,7 @@ void amx_attend(const uint16_t* q, int64_t heads, const uint16_t* k_cache, const
       const v16 lo = exp16(e[2 * j] - m), hi = exp16(e[2 * j + 1] - m);  // 0 for -inf
       l += lo + hi;
       const v16 rl = round_bf16(lo), rh = round_bf16(hi);
-      const u32x16 word = (reinterpret_cast<const u32x16&>(rh) & 0xffff0000u) | (reinterpret_cast<const u32x16&>(rl) >> 16);
+      const u32x16 word = ((u32x16)rh & 0xffff0000u) | ((u32x16)rl >> 16);
       w[j] = (__m512i)word;
     }
     transpose16x16(w);  // w[lane]: that lane's 16 key pairs

@@ -20,7 +20,7 @@
 #include "cpu_simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #endif
 
 namespace {
@@ -174,9 +174,9 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - INFINITY;
-  v16 qf[G][N], acc[G][N], lsum[G];
+  v16 qf[G][N] = {}, acc[G][N] = {}, lsum[G] = {};
   alignas(64) v16 sc[G][C];  // a tile's scores, then its softmax weights
-  float m[G];
+  float m[G] = {};
   const float q_scale = softcap > 0 ? 1.0f : scale;
   for (int h = 0; h < G; ++h) {
     for (int c = 0; c < N; ++c) {
@@ -270,10 +270,10 @@ void attend_bf16_dot(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - INFINITY;
   __m512bh qb[G][P];
-  v16 acc[G][N];  // acc[h][2c + s], lane i: dim 32c + 8 * (i / 4) + 4s + i % 4
-  v16 lsum[G];    // running softmax denominators, by lane
+  v16 acc[G][N] = {};  // acc[h][2c + s], lane i: dim 32c + 8 * (i / 4) + 4s + i % 4
+  v16 lsum[G] = {};  // running softmax denominators, by lane
   alignas(64) uint32_t pw[G][C][8];  // a tile's weights as bf16, in pairs of keys
-  float m[G];
+  float m[G] = {};
   const float q_scale = softcap > 0 ? 1.0f : scale;
   for (int h = 0; h < G; ++h) {
     for (int c = 0; c < P; ++c) qb[h][c] = (__m512bh)_mm512_loadu_si512(q + h * D + c * 32);
@@ -510,7 +510,7 @@ void attend_shared_bf16_dot(const uint16_t* q, int64_t heads, const uint16_t* k_
     }
     for (int j = 0; j < 8; ++j) {
       const v16 lo = round_bf16(e[2 * j]), hi = round_bf16(e[2 * j + 1]);
-      const u32x16 word = (reinterpret_cast<const u32x16&>(hi) & 0xffff0000u) | (reinterpret_cast<const u32x16&>(lo) >> 16);
+      const u32x16 word = ((u32x16)hi & 0xffff0000u) | ((u32x16)lo >> 16);
       w[j] = (__m512bh)word;
     }
     m = mx;
@@ -582,7 +582,7 @@ inline bool by_dim(int64_t dim, F f) {
 template <typename T, bool Dot>
 bool shared_dim(int64_t dim, const T* q, int64_t heads, const T* k, const T* v, const int64_t* table, int64_t keys,
                 int64_t rows, int64_t group, int64_t num_blocks, int64_t block_size, int64_t kvh, float scale,
-                const float* sinks, float* state, bool amx) {
+                const float* sinks, float* state, [[maybe_unused]] bool amx) {
 #if defined(BATCHGEN_AMX) && defined(BATCHGEN_BF16_DOT)
   if constexpr (Dot && sizeof(T) == 2)
     if (amx)

@@ -45,14 +45,14 @@
 #include <unistd.h>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #define BATCHGEN_GEMM_F32 1
 #define BATCHGEN_GEMM_AVX512 1
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BATCHGEN_GEMM_BF16 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #define BATCHGEN_GEMM_F32 1  // on 8-float registers
 #define BATCHGEN_GEMM_BF16 1  // bf16 weights widened to float32 in registers, FMA products
 #endif
@@ -65,7 +65,7 @@
 namespace {
 
 // bf16 GEMMs on AMX tiles where they run (gemm_amx turns them off for tests and benchmarks)
-bool amx_enabled = true;
+[[maybe_unused]] bool amx_enabled = true;
 
 #ifdef BATCHGEN_GEMM_AVX512
 constexpr int kRows = 6;  // rows per register block

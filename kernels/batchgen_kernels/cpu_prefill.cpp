@@ -35,7 +35,7 @@
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #define BATCHGEN_PREFILL_F32 1
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BATCHGEN_PREFILL_DOT 1

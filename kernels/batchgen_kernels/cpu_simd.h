@@ -7,7 +7,7 @@
 #include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "cpu_intrin.h"
 #endif
 
 namespace batchgen {
@@ -55,7 +55,7 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 inline v16 load16(const uint16_t* p) {
   u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
-  return reinterpret_cast<v16&>(wide);
+  return (v16)wide;
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -74,15 +74,15 @@ inline void store16(uint16_t* p, v16 x) {
 #else
 // x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN
 inline v16 round_bf16(v16 x) {
-  u32x16 bits = reinterpret_cast<u32x16&>(x);
+  u32x16 bits = (u32x16)x;
   bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const v16 r = reinterpret_cast<v16&>(bits);
+  const v16 r = (v16)bits;
   return x != x ? x : r;
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 inline void store16(uint16_t* p, v16 x) {
   const v16 r = round_bf16(x);
-  const u16x16 h = __builtin_convertvector(reinterpret_cast<const u32x16&>(r) >> 16, u16x16);
+  const u16x16 h = __builtin_convertvector((u32x16)r >> 16, u16x16);
   std::memcpy(p, &h, sizeof h);
 }
 #endif
@@ -125,7 +125,7 @@ inline v16 exp16(v16 x) {
            1.6666665459e-1f) * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const v16 y = p * reinterpret_cast<const v16&>(e);
+  const v16 y = p * (v16)e;
   return tiny ? v16{} : y;
 }
 

@@ -19,8 +19,9 @@ import pytest
 import ray
 
 from batchgen.job.config import load_job_config
+from batchgen.job.lifecycle import JobIncomplete, JobInterrupted
 from batchgen.job.ray_executor import RayJobRunner
-from batchgen.job.runner import JobIncomplete, JobInterrupted, JobRunner
+from batchgen.job.runner import JobRunner
 from batchgen.ray_data import build_processor
 from tests.job.helpers import ROOT, write_config
 

@@ -33,14 +33,14 @@ def test_the_kernels_build_from_parallel_objects_and_a_failed_source_is_named(tm
     quick = [src for src in cpu.SOURCES if src.stem in ("cpu_beam", "cpu_sampling")]
     monkeypatch.setattr(cpu, "SOURCES", quick)
     out = tmp_path / "lib.so"
-    cpu._compile(compiler, cpu.FLAGS, out)
+    cpu.compile_library(compiler, cpu.FLAGS, out)
     lib = ctypes.CDLL(str(out))
     assert hasattr(lib, "beam_topk_f32") and hasattr(lib, "tempered_softmax")
     broken = tmp_path / "broken.cpp"
     broken.write_text("int f() { return not_declared; }\n")
     monkeypatch.setattr(cpu, "SOURCES", [*quick, broken])
     with pytest.raises(cpu.KernelUnavailable, match="not_declared"):
-        cpu._compile(compiler, cpu.FLAGS, tmp_path / "other.so")
+        cpu.compile_library(compiler, cpu.FLAGS, tmp_path / "other.so")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.cpp", "lib.so"]
 
 

@@ -129,7 +129,8 @@ def test_a_signal_as_rows_start_to_flow_stops_the_reader_and_writer_threads(tmp_
     import threading
 
     from batchgen.job.config import load_job_config
-    from batchgen.job.runner import JobInterrupted, JobRunner
+    from batchgen.job.lifecycle import JobInterrupted
+    from batchgen.job.runner import JobRunner
 
     n = 2000  # far more than one engine-full: the job is still running when the signal comes
     config = write_config(tmp_path, llama_dir, parquet_input(tmp_path, n), GEN,

@@ -65,9 +65,9 @@ DTYPES = [(torch.float32, 2e-5, True), (torch.bfloat16, 2**-6, True), (torch.bfl
 DTYPE_IDS = ["float32", "bfloat16", "bfloat16-widened"]
 
 
-def test_bf16_dot_instruction_is_used_where_the_cpu_has_it():
-    if "avx512_bf16" in cpu._cpu_flags().split():
-        assert bf16_dot_products()
+def test_bf16_dot_instruction_is_used_exactly_where_the_variant_has_it():
+    cpu.load()
+    assert bf16_dot_products() == (cpu.variant in ("avx512_bf16", "amx"))
 
 
 @pytest.mark.parametrize("kvh, h, d, bs", SHAPES)
