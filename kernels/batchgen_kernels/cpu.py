@@ -175,7 +175,10 @@ def chosen_variant() -> str:
 
 
 def variant_flags(name: str) -> list[str]:
-    return [*FLAGS, *variants()[name][0]]
+    """The compiler flags of variant ``name``; with ``BATCHGEN_KERNEL_DEBUG=1``, a build that also
+    checks each entry point's preconditions (``BG_EXPECT``) and aborts naming a failed one."""
+    debug = ["-DBATCHGEN_DEBUG"] if os.environ.get("BATCHGEN_KERNEL_DEBUG") == "1" else []
+    return [*FLAGS, *variants()[name][0], *debug]
 
 
 def compile_library(compiler: str, flags: list[str], out: Path) -> None:
@@ -263,7 +266,8 @@ def _build_and_load() -> ctypes.CDLL:
     name = chosen_variant()
     flags = variant_flags(name)
     key = hashlib.sha256("\0".join([*text, *flags, version, platform.machine()]).encode())
-    path = cache_dir() / f"batchgen_cpu-{name}-{key.hexdigest()[:16]}.so"
+    tag = "-debug" if "-DBATCHGEN_DEBUG" in flags else ""
+    path = cache_dir() / f"batchgen_cpu-{name}{tag}-{key.hexdigest()[:16]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -667,6 +667,9 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
            const int64_t* ctx, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks,
            int64_t block_size, float scale, int64_t window, float softcap, const float* sinks, T* out,
            int threads, int share, bool amx = false) {
+  BG_EXPECT(q && k_cache && v_cache && tables && ctx && out && rows >= 0 && heads > 0 && kv_heads > 0 &&
+            heads % kv_heads == 0 && dim > 0 && num_blocks > 0 && block_size > 0 && table_width >= 0 &&
+            threads > 0);
   const int64_t group = heads / kv_heads;
   if (group > kMaxGroup || dim > kMaxDim || block_size > kMaxBlock || heads % kv_heads) return 1;
   // packs only where the per-row pass is the vector one, with no window or soft-capping

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from batchgen_kernels.cpu import KernelUnavailable, load
+from batchgen_kernels.cpu_args import KernelArgumentError, expect
 
 __all__ = [
     "KernelUnavailable",
@@ -87,8 +88,17 @@ def paged_decode(
     per-row pass was as fast or faster), ``share="always"`` wherever two or more rows share."""
     if share not in (True, False, "always"):
         raise ValueError(f"paged_decode: share must be True, False or 'always', not {share!r}")
+    expect("paged_decode", "q", q, (torch.float32, torch.bfloat16), (None, None, None))
     rows, heads, dim = q.shape
+    expect("paged_decode", "k_cache", k_cache, q.dtype, (None, None, None, dim), contiguous=True)
     kvh, num_blocks, block_size, _ = k_cache.shape
+    expect("paged_decode", "v_cache", v_cache, q.dtype, tuple(k_cache.shape), contiguous=True)
+    expect("paged_decode", "tables", tables, torch.int64, (rows, None))
+    expect("paged_decode", "context_lens", context_lens, torch.int64, (rows,))
+    if sinks is not None:
+        expect("paged_decode", "sinks", sinks, shape=(heads,))
+    if out is not None:
+        expect("paged_decode", "out", out, q.dtype, tuple(q.shape), contiguous=True)
     name = _DTYPES[k_cache.dtype]
     if k_cache.dtype == torch.bfloat16 and not bf16_dot:
         name = "paged_decode_bf16_widened"
@@ -101,12 +111,6 @@ def paged_decode(
     sinks = None if sinks is None else sinks.float().contiguous()
     if out is None:
         out = torch.empty_like(q)
-    assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
-    assert (
-        k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and tables.dtype == context_lens.dtype == torch.int64
-    )
     rc = fn(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -151,11 +155,17 @@ def prefill(
     head_dim other than 64 or 128, more than 16 query heads per kv head), and the caller keeps
     torch's kernel. ``amx=True``: a bfloat16 chunk on AMX tiles instead (``amx_tiles``; blocks of
     16 / group positions, each over its keys: for short chunks), None where they are not used."""
+    expect("prefill", "q", q, (torch.float32, torch.bfloat16), (None, None, None))
     n, heads, dim = q.shape
+    expect("prefill", "k_cache", k_cache, q.dtype, (None, None, None, dim), contiguous=True)
     kvh, num_blocks, block_size, _ = k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and table.dtype == torch.int64
-    assert table.numel() * block_size >= context_len >= n
+    expect("prefill", "v_cache", v_cache, q.dtype, tuple(k_cache.shape), contiguous=True)
+    expect("prefill", "table", table, torch.int64, (None,))
+    if not table.numel() * block_size >= context_len >= n:
+        raise KernelArgumentError(
+            f"prefill: context_len {context_len} must lie between the chunk's {n} positions and the "
+            f"{table.numel() * block_size} the table covers"
+        )
     if amx and q.dtype != torch.bfloat16:
         return None
     lib = load()
@@ -196,12 +206,18 @@ def prefill_chunks(
     """Several bfloat16 prefill chunks on AMX tiles in one call (``prefill(..., amx=True)`` for
     each, their work items shared by the threads); False, having written nothing, where the tiles
     are not used or the kernel does not take the shapes."""
+    expect("prefill_chunks", "q", q, torch.bfloat16, (None, None, None))
     rows, heads, dim = q.shape
+    expect("prefill_chunks", "k_cache", k_cache, torch.bfloat16, (None, None, None, dim), contiguous=True)
     kvh, num_blocks, block_size, _ = k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous() and out.shape == q.shape
-    assert all(t.dtype == torch.int64 for t in (tables, starts, lengths, context_lens))
-    assert int((starts + lengths).max()) <= rows
+    expect("prefill_chunks", "v_cache", v_cache, torch.bfloat16, tuple(k_cache.shape), contiguous=True)
+    expect("prefill_chunks", "out", out, torch.bfloat16, tuple(q.shape), contiguous=True)
+    chunks = starts.numel()
+    expect("prefill_chunks", "tables", tables, torch.int64, (chunks, None))
+    for name, t in (("starts", starts), ("lengths", lengths), ("context_lens", context_lens)):
+        expect("prefill_chunks", name, t, torch.int64, (chunks,))
+    if chunks and int((starts + lengths).max()) > rows:
+        raise KernelArgumentError(f"prefill_chunks: a chunk ends past q's {rows} rows")
     q, tables = q.contiguous(), tables.contiguous()
     starts, lengths, context_lens = starts.contiguous(), lengths.contiguous(), context_lens.contiguous()
     rc = load().prefill_bf16_amx_chunks(

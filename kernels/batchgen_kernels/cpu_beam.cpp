@@ -73,6 +73,7 @@ void scan_row(const float* x, int64_t vocab, float mx, float log_sum, float runn
 
 int beam_topk(const float* logits, int64_t vocab, const int64_t* rows, const float* running, int64_t groups, int64_t k,
               int64_t keep, float* scores, int64_t* index, int threads) {
+  BG_EXPECT(logits && rows && running && scores && index && vocab > 0 && groups >= 0 && k > 0 && threads > 0);
   if (keep < 1 || keep > k * vocab) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t g = 0; g < groups; ++g) {

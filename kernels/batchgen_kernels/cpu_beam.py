@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from batchgen_kernels.cpu import available, load
+from batchgen_kernels.cpu_args import KernelArgumentError, expect
 
 
 def takes(logits: torch.Tensor) -> bool:
@@ -22,6 +23,13 @@ def beam_topk(
     running score ``running[g*k + i]``: the ``keep`` best scores ``log_softmax(row)[t] + running``
     of each group ([G, keep] float32, descending, equal scores by the lower index) and their flat
     indices ``i * vocab + t`` ([G, keep] int64), as ``torch.topk`` over the [G, k * vocab] scores."""
+    expect("beam_topk", "logits", logits, torch.float32, (None, None))
+    expect("beam_topk", "rows", rows, shape=(None,))
+    expect("beam_topk", "running", running, shape=tuple(rows.shape))
+    if k < 1 or len(rows) % k:
+        raise KernelArgumentError(f"beam_topk: rows ({len(rows)}) must be whole groups of k = {k} beams")
+    if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+        raise KernelArgumentError(f"beam_topk: rows must index logits' {logits.shape[0]} rows")
     logits = logits.contiguous()
     vocab = logits.shape[1]
     rows = rows.to(torch.int64).contiguous()

@@ -581,6 +581,7 @@ int threads_for(int64_t n, int threads) {
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
           int64_t ldy, int threads) {
+  BG_EXPECT(x && wp && y && m >= 0 && k > 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
 #pragma omp parallel num_threads(threads_for<Gated>(n, threads))
   gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from batchgen_kernels.cpu import available, load
+from batchgen_kernels.cpu_args import KernelArgumentError, expect
 from batchgen_kernels.cpu_ops import DTYPE_SUFFIX
 
 
@@ -51,11 +52,12 @@ class PackedWeight:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a gated weight's output, [m, n / 2] in the weight's dtype."""
-        assert self.gated
+        if not self.gated:
+            raise KernelArgumentError("gemm: silu_mul needs a weight packed with gated=True")
         return self._run(self._gemm_gated, x, self.n // 2)
 
     def _run(self, gemm, x: torch.Tensor, width: int, widened: bool = False) -> torch.Tensor:
-        assert x.dim() == 2 and x.shape[1] == self.k and x.dtype == self.dtype, (x.shape, self.k, x.dtype)
+        expect("gemm", "x", x, self.dtype, (None, self.k))
         if x.stride(1) != 1:
             x = x.contiguous()
         m = x.shape[0]
@@ -74,7 +76,8 @@ class PackedWeight:
             width,
             torch.get_num_threads(),
         )
-        assert rc == 0, "the packed weight's kernel is missing"  # pack() checked it
+        if rc:  # pack() took the shapes, so only another build of the library gets here
+            raise KernelArgumentError(f"gemm: the library has no kernel for {self.dtype} with k = {self.k}")
         return out
 
 
@@ -151,7 +154,9 @@ class PackedExperts:
         return cls(ups, downs)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        assert x.dim() == 2 and x.shape[1] == self.d and x.dtype == self.dtype, (x.shape, self.d, x.dtype)
+        expect("moe_experts", "x", x, self.dtype, (None, self.d))
+        expect("moe_experts", "chosen", chosen, shape=(x.shape[0], None))
+        expect("moe_experts", "weights", weights, shape=tuple(chosen.shape))
         x = x.contiguous()
         chosen = chosen.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
@@ -176,6 +181,9 @@ class PackedExperts:
             torch.get_num_threads(),
         )
         if rc == 2:
-            raise ValueError(f"expert ids must lie in [0, {len(self._gate_up)}), got {chosen.tolist()}")
-        assert rc == 0, "the packed experts' kernel is missing"  # pack() checked the GEMMs
+            raise KernelArgumentError(
+                f"moe_experts: expert ids must lie in [0, {len(self._gate_up)}), got {chosen.tolist()}"
+            )
+        if rc:  # of() took the shapes, so only another build of the library gets here
+            raise KernelArgumentError(f"moe_experts: the library has no kernel for {self.dtype}")
         return out

@@ -63,6 +63,7 @@ inline void scale_row(const T* x, const T* w, float inv, int64_t dim, T* o) {
 // rounded to T): transformers' LlamaRMSNorm.
 template <typename T>
 void rms_norm(const T* x, const T* w, int64_t rows, int64_t dim, float eps, T* out, int threads) {
+  BG_EXPECT(x && w && out && rows >= 0 && dim > 0 && threads > 0);
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
@@ -76,6 +77,7 @@ void rms_norm(const T* x, const T* w, int64_t rows, int64_t dim, float eps, T* o
 template <typename T>
 void add_rms_norm(const T* x, const T* residual, const T* w, int64_t rows, int64_t dim, float eps, T* sum, T* out,
                   int threads) {
+  BG_EXPECT(x && residual && w && sum && out && rows >= 0 && dim > 0 && threads > 0);
   const int64_t full = dim / 16 * 16;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
   for (int64_t r = 0; r < rows; ++r) {
@@ -92,6 +94,7 @@ void add_rms_norm(const T* x, const T* residual, const T* w, int64_t rows, int64
 // out = silu(gate) * up, gate and up the halves of each row of gate_up [rows, 2 * inter]
 template <typename T>
 void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads) {
+  BG_EXPECT(gate_up && out && rows >= 0 && inter > 0 && threads > 0);
   const int64_t full = inter / 16 * 16;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter > 65536)
   for (int64_t r = 0; r < rows; ++r) {
@@ -113,6 +116,8 @@ void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads
 template <typename T>
 void rotary(const T* x, int64_t x_stride, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t dim,
             T* out, int threads) {
+  BG_EXPECT(x && cos && sin && out && tokens >= 0 && heads > 0 && dim > 0 && dim % 2 == 0 &&
+            x_stride >= heads * dim && threads > 0);
   const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * heads * dim > 65536)
   for (int64_t t = 0; t < tokens; ++t) {
@@ -154,6 +159,7 @@ extern "C" {
 // slots of ``bytes``. Returns 1, having written nothing, where a slot is outside [0, slots_per_head).
 int kv_write(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_cache, char* v_cache,
              const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t bytes, int64_t slots_per_head) {
+  BG_EXPECT(k && v && k_cache && v_cache && slots && tokens >= 0 && kv_heads > 0 && bytes > 0);
   for (int64_t t = 0; t < tokens; ++t)
     if (slots[t] < 0 || slots[t] >= slots_per_head) return 1;
   for (int64_t t = 0; t < tokens; ++t) {
@@ -172,6 +178,7 @@ int kv_write(const char* k, int64_t k_stride, const char* v, int64_t v_stride, c
 // Return 1, having touched nothing, where a block is outside [0, blocks).
 int copy_blocks(char* cache, int64_t planes, int64_t blocks, int64_t bytes, const int64_t* src, const int64_t* dst,
                 int64_t n, int threads) {
+  BG_EXPECT(cache && src && dst && planes > 0 && blocks > 0 && bytes > 0 && n >= 0 && threads > 0);
   for (int64_t i = 0; i < n; ++i)
     if (src[i] < 0 || src[i] >= blocks || dst[i] < 0 || dst[i] >= blocks) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -184,6 +191,7 @@ int copy_blocks(char* cache, int64_t planes, int64_t blocks, int64_t bytes, cons
 
 int zero_blocks(char* cache, int64_t planes, int64_t blocks, int64_t bytes, const int64_t* ids, int64_t n,
                 int threads) {
+  BG_EXPECT(cache && ids && planes > 0 && blocks > 0 && bytes > 0 && n >= 0 && threads > 0);
   for (int64_t i = 0; i < n; ++i)
     if (ids[i] < 0 || ids[i] >= blocks) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from batchgen_kernels.cpu import available, load
+from batchgen_kernels.cpu_args import expect
 
 # the kernels' name suffix per dtype (cpu_gemm uses it too)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -29,8 +30,10 @@ def takes(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last axis, statistics in float32."""
-    x = x.contiguous()
+    expect("rms_norm", "x", x, tuple(DTYPE_SUFFIX))
     dim = x.shape[-1]
+    expect("rms_norm", "weight", weight, x.dtype, (dim,))
+    x = x.contiguous()
     out = torch.empty_like(x)
     fn = getattr(load(), "rms_norm_" + DTYPE_SUFFIX[x.dtype])
     fn(
@@ -50,8 +53,11 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(residual + x)`` and ``residual + x`` (the sum rounded to the dtype, as torch's
     addition) in one pass: the decoder's residual addition and the next layer's norm."""
-    x, residual = x.contiguous(), residual.contiguous()
+    expect("add_rms_norm", "x", x, tuple(DTYPE_SUFFIX))
     dim = x.shape[-1]
+    expect("add_rms_norm", "residual", residual, x.dtype, tuple(x.shape))
+    expect("add_rms_norm", "weight", weight, x.dtype, (dim,))
+    x, residual = x.contiguous(), residual.contiguous()
     total = torch.empty_like(x)
     out = torch.empty_like(x)
     fn = getattr(load(), "add_rms_norm_" + DTYPE_SUFFIX[x.dtype])
@@ -71,6 +77,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` [rows, 2 * inter] holding [gate | up]."""
+    expect("silu_mul", "gate_up", gate_up, tuple(DTYPE_SUFFIX), (None, None))
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
@@ -82,7 +89,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [tokens, heads, dim] (heads contiguous; tokens may be strided,
     as in a view of the fused qkv output) by ``cos`` / ``sin`` [tokens, dim]: a new contiguous tensor."""
+    expect("rotary", "x", x, tuple(DTYPE_SUFFIX), (None, None, None))
     tokens, heads, dim = x.shape
+    expect("rotary", "cos", cos, x.dtype, (tokens, dim))
+    expect("rotary", "sin", sin, x.dtype, (tokens, dim))
     if x.stride(2) != 1 or x.stride(1) != dim:
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -109,14 +119,17 @@ def kv_write(
     be strided, as views of the fused qkv output) into head-major caches [kv_heads, ..., dim]:
     ``attention.write_kv``'s two ``index_copy_`` calls, which cost 15-50 us each here, as one loop
     of row copies. Slots out of range raise, as ``index_copy_`` does."""
+    expect("kv_write", "k", k, shape=(None, None, None))
     tokens, kvh, dim = k.shape
+    expect("kv_write", "v", v, k.dtype, tuple(k.shape))
+    expect("kv_write", "k_cache", k_cache, k.dtype, (kvh, *[None] * (k_cache.dim() - 2), dim), contiguous=True)
+    expect("kv_write", "v_cache", v_cache, k.dtype, tuple(k_cache.shape), contiguous=True)
+    expect("kv_write", "slots", slots, torch.int64, (tokens,))
     per_head = k_cache.numel() // (kvh * dim)
     if k.stride(2) != 1 or k.stride(1) != dim:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != dim:
         v = v.contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k.dtype == v.dtype == k_cache.dtype
-    assert slots.dtype == torch.int64
     size = k.element_size()
     rc = load().kv_write(
         k.data_ptr(),
@@ -138,7 +151,9 @@ def kv_write(
 
 def _planes(cache: torch.Tensor) -> tuple[int, int, int]:
     """A cache [..., blocks, block_size, head_dim] as (planes, blocks, bytes per block)."""
-    assert cache.is_contiguous()
+    expect("copy_blocks", "cache", cache, contiguous=True)
+    if cache.dim() < 3:
+        expect("copy_blocks", "cache", cache, shape=(None, None, None))
     blocks = cache.shape[-3]
     per_block = cache.shape[-2] * cache.shape[-1] * cache.element_size()
     return cache.numel() * cache.element_size() // (blocks * per_block), blocks, per_block

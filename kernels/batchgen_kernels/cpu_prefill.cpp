@@ -300,6 +300,8 @@ template <typename T>
 int prefill_entry(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t n, int64_t ctx,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t num_blocks, int64_t block_size, float scale,
                   T* out, int threads) {
+  BG_EXPECT(q && k_cache && v_cache && table && out && n > 0 && ctx >= n && heads > 0 && kv_heads > 0 &&
+            heads % kv_heads == 0 && dim > 0 && num_blocks > 0 && block_size > 0 && threads > 0);
 #ifdef BATCHGEN_PREFILL_F32
 #ifndef BATCHGEN_PREFILL_DOT
   if constexpr (!std::is_same_v<T, float>) return 1;

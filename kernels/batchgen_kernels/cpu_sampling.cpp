@@ -147,6 +147,8 @@ extern "C" {
 // the model's (the same pointer when they are). block: a multiple of 16. Returns 1 otherwise.
 int tempered_softmax(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, const float* inv_temp,
                      int64_t block, float* probs, double* block_sums, float* raw_lse, int threads) {
+  BG_EXPECT(adjusted && raw && inv_temp && probs && block_sums && raw_lse && rows >= 0 && vocab > 0 && block > 0 &&
+            threads > 0);
   if (block % 16) return 1;
   const int64_t nblocks = (vocab + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -160,6 +162,7 @@ int tempered_softmax(const float* adjusted, const float* raw, int64_t rows, int6
 // is never the largest here) and the log-sum-exp of ``raw`` (the same pointer when they are).
 void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, int64_t* token,
                  float* raw_lse, int threads) {
+  BG_EXPECT(adjusted && raw && token && rows >= 0 && vocab > 0 && threads > 0);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = adjusted + r * vocab;
@@ -174,6 +177,7 @@ void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t 
 // strictly greater than ``threshold[i]``.
 void mass_above(const float* probs, int64_t vocab, const int64_t* row_index, int64_t n, const float* threshold,
                 double* out, int threads) {
+  BG_EXPECT(probs && row_index && threshold && vocab > 0 && n >= 0 && threads > 0);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; ++i) out[i] = mass_above_row(probs + row_index[i] * vocab, vocab, threshold[i]);
 }
@@ -189,6 +193,8 @@ void mass_above(const float* probs, int64_t vocab, const int64_t* row_index, int
 int sample_rows(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, const float* inv_temp,
                 const float* top_p, const uint64_t* seeds, const int64_t* counters, int64_t rounds, int64_t block,
                 int64_t* token, float* logprob, uint8_t* rejected, int threads) {
+  BG_EXPECT(adjusted && raw && inv_temp && top_p && token && logprob && rejected && rows >= 0 && vocab > 0 &&
+            block > 0 && threads > 0);
   if (block % 16) return 1;
   const int64_t nblocks = (vocab + block - 1) / block;
 #pragma omp parallel num_threads(threads)

@@ -8,6 +8,13 @@ import numpy as np
 import torch
 
 from batchgen_kernels.cpu import load
+from batchgen_kernels.cpu_args import KernelArgumentError, expect
+
+
+def _logits(kernel: str, adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[int, int]:
+    expect(kernel, "adjusted", adjusted, torch.float32, (None, None))
+    expect(kernel, "raw", raw, torch.float32, tuple(adjusted.shape))
+    return adjusted.shape[0], adjusted.shape[1]
 
 
 def tempered_softmax(
@@ -16,7 +23,8 @@ def tempered_softmax(
     """For float32 logits [rows, vocab] on the CPU: ``exp((adjusted - max) * inv_temp)`` per row
     (unnormalized, float32), its sums over consecutive ``block``-token slices (float64, [rows,
     ceil(vocab / block)]) and the log-sum-exp of ``raw`` per row (float32)."""
-    rows, vocab = adjusted.shape
+    rows, vocab = _logits("tempered_softmax", adjusted, raw)
+    expect("tempered_softmax", "inv_temp", inv_temp, shape=(rows,))
     adjusted, raw = adjusted.contiguous(), raw.contiguous()
     inv_temp = inv_temp.to(torch.float32).contiguous()
     probs = torch.empty_like(adjusted)
@@ -43,7 +51,7 @@ def greedy_pick(adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor
     """For float32 logits [rows, vocab] on the CPU: per row the first position of the largest
     ``adjusted`` logit (int64, as ``argmax``) and the log-sum-exp of ``raw`` (float32), without
     the probabilities ``tempered_softmax`` writes."""
-    rows, vocab = adjusted.shape
+    rows, vocab = _logits("greedy_pick", adjusted, raw)
     adjusted, raw = adjusted.contiguous(), raw.contiguous()
     token = torch.empty(rows, dtype=torch.int64)
     lse = torch.empty(rows, dtype=torch.float32)
@@ -62,6 +70,11 @@ def greedy_pick(adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor
 def mass_above(probs: torch.Tensor, rows: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """For each ``rows[i]`` of float32 ``probs`` [*, vocab]: the sum of its values strictly
     greater than ``threshold[i]`` (float64)."""
+    expect("mass_above", "probs", probs, torch.float32, (None, None))
+    expect("mass_above", "rows", rows, shape=(None,))
+    expect("mass_above", "threshold", threshold, shape=tuple(rows.shape))
+    if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < probs.shape[0]:
+        raise KernelArgumentError(f"mass_above: rows must index probs' {probs.shape[0]} rows")
     probs = probs.contiguous()
     rows = rows.to(torch.int64).contiguous()
     threshold = threshold.to(torch.float32).contiguous()
@@ -94,7 +107,11 @@ def sample_rows(
     accepted at once where ``top_p`` >= 1, else by top-p rejection over up to ``rounds`` attempts.
     Returns the tokens (int64), their raw log-probabilities (float32, from ``raw``) and which rows
     no attempt was accepted for (bool: the caller settles those by sorting)."""
-    rows, vocab = adjusted.shape
+    rows, vocab = _logits("sample_rows", adjusted, raw)
+    expect("sample_rows", "inv_temp", inv_temp, shape=(rows,))
+    expect("sample_rows", "top_p", top_p, shape=(rows,))
+    if len(seeds) != rows or len(counters) != rows:
+        raise KernelArgumentError(f"sample_rows: seeds and counters must have one entry per row ({rows})")
     adjusted, raw = adjusted.contiguous(), raw.contiguous()
     inv_temp = inv_temp.to(torch.float32).contiguous()
     top_p = top_p.to(torch.float32).contiguous()

@@ -4,13 +4,29 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "cpu_intrin.h"
 #endif
 
+// The entry points' preconditions (pointers set, sizes in range), checked in debug builds
+// (BATCHGEN_KERNEL_DEBUG=1 builds with -DBATCHGEN_DEBUG): a failure prints the condition and aborts.
+// The Python wrappers check the tensors themselves before every call (cpu_args.py).
+#ifdef BATCHGEN_DEBUG
+#define BG_EXPECT(cond) ((cond) ? (void)0 : batchgen::precondition_failed(#cond, __func__, __FILE__, __LINE__))
+#else
+#define BG_EXPECT(cond) ((void)0)
+#endif
+
 namespace batchgen {
+
+[[noreturn]] inline void precondition_failed(const char* cond, const char* fn, const char* file, int line) {
+  std::fprintf(stderr, "batchgen kernel %s: precondition failed: %s (%s:%d)\n", fn, cond, file, line);
+  std::abort();
+}
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) {  // bfloat16: the high half of a float32

@@ -1,0 +1,43 @@
+"""What the compiled CPU kernels are handed, checked once on the Python side before the call.
+
+The C entry points take raw pointers and sizes; a tensor of the wrong dtype, shape or device, or
+with a layout the kernel does not walk, would be read as something else. Each wrapper checks its
+arguments here and raises ``KernelArgumentError`` naming the kernel, the argument and what was
+expected. Builds with ``BATCHGEN_KERNEL_DEBUG=1`` also check the preconditions on the C++ side
+(``BG_EXPECT`` in ``cpu_simd.h``), and abort with the failed condition."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KernelArgumentError(ValueError):
+    """A compiled kernel was handed a tensor it cannot take; the message names kernel and argument."""
+
+
+def expect(
+    kernel: str,
+    name: str,
+    t: torch.Tensor,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = False,
+) -> None:
+    """``t`` (argument ``name`` of ``kernel``) is a CPU tensor of ``dtype`` (one of them), of
+    ``shape`` (None: any size on that axis) and, where ``contiguous``, contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgumentError(f"{kernel}: {name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise KernelArgumentError(f"{kernel}: {name} must be on the CPU, got {t.device}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise KernelArgumentError(f"{kernel}: {name} must be {want}, got {str(t.dtype).removeprefix('torch.')}")
+    if shape is not None and (
+        t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape, strict=True))
+    ):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise KernelArgumentError(f"{kernel}: {name} must have shape {want}, got {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise KernelArgumentError(f"{kernel}: {name} must be contiguous (strides {t.stride()})")

@@ -1,0 +1,123 @@
+"""The compiled kernels' entry points refuse what they cannot take: each wrapper checks dtypes,
+shapes, device and layout before the call and raises ``KernelArgumentError`` naming the kernel and
+the argument; a debug build (``BATCHGEN_KERNEL_DEBUG=1``, which ``.ci/run`` runs the kernel tests
+under once) checks the C++ side's preconditions too and aborts naming the failed one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from batchgen_kernels import cpu, cpu_attention, cpu_beam, cpu_gemm, cpu_ops, cpu_sampling
+from batchgen_kernels.cpu_args import KernelArgumentError
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the compiled kernels do not build here")
+
+f32, bf16 = torch.float32, torch.bfloat16
+
+
+def decode_args(**change):
+    args = {
+        "q": torch.zeros(2, 4, 64),
+        "k_cache": torch.zeros(2, 8, 16, 64),
+        "v_cache": torch.zeros(2, 8, 16, 64),
+        "tables": torch.zeros(2, 3, dtype=torch.int64),
+        "context_lens": torch.ones(2, dtype=torch.int64),
+        "scale": 0.125,
+    }
+    return {**args, **change}
+
+
+CASES = [
+    (
+        lambda: cpu_ops.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-6),
+        "rms_norm: x must be float32 or bfloat16, got float64",
+    ),
+    (lambda: cpu_ops.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6), "rms_norm: weight must have shape [8], got [4]"),
+    (
+        lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8, dtype=bf16), torch.ones(8), 1e-6),
+        "add_rms_norm: residual must be float32, got bfloat16",
+    ),
+    (
+        lambda: cpu_ops.rotary(torch.zeros(3, 2, 8), torch.zeros(4, 8), torch.zeros(3, 8)),
+        "rotary: cos must have shape [3, 8], got [4, 8]",
+    ),
+    (
+        lambda: cpu_ops.kv_write(
+            torch.zeros(2, 2, 64), torch.zeros(2, 2, 64), torch.zeros(2, 8, 16, 64)[:, ::2],
+            torch.zeros(2, 4, 16, 64), torch.zeros(2, dtype=torch.int64),
+        ),
+        "kv_write: k_cache must be contiguous",
+    ),
+    (
+        lambda: cpu_ops.kv_write(
+            torch.zeros(2, 2, 64), torch.zeros(2, 2, 64), torch.zeros(2, 8, 16, 64),
+            torch.zeros(2, 8, 16, 64), torch.zeros(2, dtype=torch.int32),
+        ),
+        "kv_write: slots must be int64, got int32",
+    ),
+    (
+        lambda: cpu_attention.paged_decode(**decode_args(k_cache=torch.zeros(2, 8, 16, 64, dtype=bf16))),
+        "paged_decode: k_cache must be float32, got bfloat16",
+    ),
+    (
+        lambda: cpu_attention.paged_decode(**decode_args(tables=torch.zeros(2, 3, dtype=torch.int32))),
+        "paged_decode: tables must be int64, got int32",
+    ),
+    (
+        lambda: cpu_attention.paged_decode(**decode_args(context_lens=torch.ones(3, dtype=torch.int64))),
+        "paged_decode: context_lens must have shape [2], got [3]",
+    ),
+    (
+        lambda: cpu_attention.paged_decode(**decode_args(q=torch.zeros(2, 4, 32))),
+        "paged_decode: k_cache must have shape [*, *, *, 32], got [2, 8, 16, 64]",
+    ),
+    (
+        lambda: cpu_sampling.greedy_pick(torch.zeros(2, 10), torch.zeros(2, 10, dtype=bf16)),
+        "greedy_pick: raw must be float32, got bfloat16",
+    ),
+    (
+        lambda: cpu_sampling.sample_rows(
+            torch.zeros(2, 10), torch.zeros(2, 10), torch.ones(2), torch.ones(3), [0, 1], [0, 0], 4, 16
+        ),
+        "sample_rows: top_p must have shape [2], got [3]",
+    ),
+    (
+        lambda: cpu_beam.beam_topk(torch.zeros(4, 10), torch.arange(3), torch.zeros(3), 2, 2),
+        "beam_topk: rows (3) must be whole groups of k = 2 beams",
+    ),
+    (
+        lambda: cpu_beam.beam_topk(torch.zeros(4, 10), torch.tensor([0, 9]), torch.zeros(2), 2, 2),
+        "beam_topk: rows must index logits' 4 rows",
+    ),
+    (lambda: cpu_gemm.pack(torch.zeros(32, 16))(torch.zeros(3, 8)), "gemm: x must have shape [*, 16], got [3, 8]"),
+    (
+        lambda: cpu_gemm.pack(torch.zeros(32, 16))(torch.zeros(3, 16, dtype=bf16)),
+        "gemm: x must be float32, got bfloat16",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, message", CASES, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in enumerate(CASES)])
+def test_a_wrong_argument_is_refused_by_name(call, message):
+    with pytest.raises(KernelArgumentError) as e:
+        call()
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_tensor_on_another_device_is_refused():
+    x = torch.zeros(2, 8, device="meta")
+    with pytest.raises(KernelArgumentError, match="rms_norm: x must be on the CPU, got meta"):
+        cpu_ops.rms_norm(x, torch.ones(8), 1e-6)
+
+
+@pytest.mark.skipif(os.environ.get("BATCHGEN_KERNEL_DEBUG") != "1", reason="needs the debug build (.ci/run)")
+def test_a_debug_build_aborts_naming_the_failed_precondition():
+    code = "from batchgen_kernels import cpu\ncpu.load().rms_norm_f32(None, None, 2, 0, 1e-6, None, 1)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "batchgen kernel rms_norm: precondition failed: x && w && out && rows >= 0 && dim > 0" in done.stderr
