@@ -22,6 +22,7 @@ from batchgen.engine.sampler import GrammarMask
 from batchgen.engine.sequence import Sequence
 from batchgen.params import BeamSearchParams
 from batchgen_kernels import cpu_beam
+from batchgen_kernels.cpu import library_kernels
 
 NEG = -1.0e9
 FUSED_CPU_TOPK = True  # the compiled candidate step on CPU logits (False: the torch code, the reference)
@@ -191,7 +192,13 @@ def _candidates(
     vocab = logits.shape[-1]
     keep = max(2, 1 + n_end) * k
     running = torch.stack([st.running_scores for st in states])
-    if FUSED_CPU_TOPK and cpu_beam.takes(logits) and not _end_tokens_masked(states) and grammar is None:
+    if (
+        FUSED_CPU_TOPK
+        and "beam_topk" not in library_kernels()
+        and cpu_beam.takes(logits)
+        and not _end_tokens_masked(states)
+        and grammar is None
+    ):
         topk_log_probs, topk_idx = cpu_beam.beam_topk(logits, torch.tensor(rows), running.view(-1), k, keep)
     else:
         log_probs = _mask_end_tokens(states, _log_softmax(logits, rows), k)

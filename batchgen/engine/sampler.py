@@ -222,6 +222,8 @@ def fused_kernels() -> ModuleType | None:
     try:
         from batchgen_kernels import cpu, cpu_sampling  # noqa: PLC0415
 
+        if "sampling" in cpu.library_kernels():
+            return None
         cpu.load()
     except (ImportError, RuntimeError):
         return None

@@ -100,7 +100,7 @@ def write_kv(
 ) -> None:
     """Store each token's K/V ([T, kv_heads, head_dim]) in its slot of the head-major caches
     (on the compiled CPU kernel where it runs: ``batchgen_kernels.cpu_ops.kv_write``)."""
-    if (ops := fused_cpu_ops(k, v, k_cache, v_cache)) is not None and slots.dtype == torch.int64:
+    if (ops := fused_cpu_ops(k, v, k_cache, v_cache, kernel="kv_write")) is not None and slots.dtype == torch.int64:
         ops.kv_write(k, v, k_cache, v_cache, slots)
         return
     kvh, d = k.shape[1], k.shape[2]

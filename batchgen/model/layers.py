@@ -14,11 +14,15 @@ import torch.nn.functional as F
 FUSED_CPU_OPS = True
 
 
-def fused_cpu_ops(*tensors: torch.Tensor) -> ModuleType | None:
-    """``batchgen_kernels.cpu_ops`` where its compiled kernels take these tensors (and are switched on)."""
+def fused_cpu_ops(*tensors: torch.Tensor, kernel: str) -> ModuleType | None:
+    """``batchgen_kernels.cpu_ops`` where its compiled ``kernel`` takes these tensors (and is switched on)."""
     if not FUSED_CPU_OPS or tensors[0].device.type != "cpu":
         return None
     from batchgen_kernels import cpu_ops  # noqa: PLC0415
+    from batchgen_kernels.cpu import library_kernels  # noqa: PLC0415
+
+    if kernel in library_kernels():
+        return None
 
     return cpu_ops if cpu_ops.takes(*tensors) else None
 
@@ -27,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     """RMSNorm scaled by ``offset + weight`` (Gemma stores ``weight`` around 0 and scales by
     ``1 + weight``, in float32 before casting back)."""
     dtype = x.dtype
-    if not offset and (ops := fused_cpu_ops(x, weight)) is not None:
+    if not offset and (ops := fused_cpu_ops(x, weight, kernel="rms_norm")) is not None:
         return ops.rms_norm(x, weight, eps)
     if offset:
         y = x.float()
@@ -49,7 +53,7 @@ def add_rms_norm(
     if weight is None:
         total = residual + x
         return total, total
-    if not offset and (ops := fused_cpu_ops(x, residual, weight)) is not None:
+    if not offset and (ops := fused_cpu_ops(x, residual, weight, kernel="rms_norm")) is not None:
         return ops.add_rms_norm(x, residual, weight, eps)
     total = residual + x
     return rms_norm(total, weight, eps, offset), total
@@ -148,7 +152,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     dim = cos.shape[-1]
     if dim != x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
-    if dim % 2 == 0 and x.stride(-1) == 1 and (ops := fused_cpu_ops(x, cos, sin)) is not None:
+    if dim % 2 == 0 and x.stride(-1) == 1 and (ops := fused_cpu_ops(x, cos, sin, kernel="rotary")) is not None:
         return ops.rotary(x, cos, sin)
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -54,7 +54,7 @@ def topk_then_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 
 def swiglu(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if act is F.silu and gate_up.dim() == 2 and (ops := fused_cpu_ops(gate_up)) is not None:
+    if act is F.silu and gate_up.dim() == 2 and (ops := fused_cpu_ops(gate_up, kernel="silu_mul")) is not None:
         return ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up

@@ -180,7 +180,7 @@ class ModelRunner:
         """New blocks start as zeros: masked slots of a partly filled block must hold finite values."""
         if not block_ids:
             return
-        if (ops := fused_cpu_ops(self.kv_cache)) is not None:
+        if (ops := fused_cpu_ops(self.kv_cache, kernel="block_ops")) is not None:
             ops.zero_blocks(self.kv_cache, block_ids)
             return
         self.kv_cache[:, :, :, torch.tensor(block_ids, device=self.device)] = 0
@@ -191,7 +191,7 @@ class ModelRunner:
         src_ids, dst_ids = [c.src for c in copies], [c.dst for c in copies]
         # one memcpy per block and plane where the copies can run in any order; else torch's
         # gather, then scatter
-        ops = fused_cpu_ops(self.kv_cache)
+        ops = fused_cpu_ops(self.kv_cache, kernel="block_ops")
         if ops is not None and ops.independent(src_ids, dst_ids):
             ops.copy_blocks(self.kv_cache, src_ids, dst_ids)
             return

@@ -23,6 +23,7 @@ variant is ``native``, built with ``-march=native``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -121,6 +122,34 @@ SIGNATURES = {
     "moe_experts_f32": (_INT, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _INT]),
     "moe_experts_bf16": (_INT, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _INT]),
 }
+
+
+# The compiled kernels a process can send to the library path they replace, with that path:
+# ``BATCHGEN_LIBRARY_KERNELS=rms_norm,beam_topk`` (names from here) runs those on the library
+# instead. scripts/kernel_ablation.py measures each kernel's gain this way (docs/kernels.md).
+# The GEMM and attention kernels have engine settings for it (linear_backend, attention_backend).
+LIBRARY_ALTERNATIVES = {
+    "rms_norm": "F.rms_norm, after torch's residual addition",
+    "rotary": "torch's elementwise rotary embedding",
+    "silu_mul": "F.silu(gate) * up",
+    "kv_write": "index_copy_ into the caches",
+    "block_ops": "index_copy_ / zero_ on the cache's blocks",
+    "sampling": "torch's softmax, sort and multinomial",
+    "beam_topk": "log_softmax, then torch.topk",
+}
+
+
+@functools.cache  # read once per process: the call sites ask at every step
+def library_kernels() -> frozenset[str]:
+    """The kernels ``BATCHGEN_LIBRARY_KERNELS`` sends to their library path; an unknown name raises."""
+    names = frozenset(n.strip() for n in os.environ.get("BATCHGEN_LIBRARY_KERNELS", "").split(",") if n.strip())
+    unknown = names - LIBRARY_ALTERNATIVES.keys()
+    if unknown:
+        raise ValueError(
+            f"BATCHGEN_LIBRARY_KERNELS: unknown kernel {', '.join(sorted(unknown))} "
+            f"(one of {', '.join(LIBRARY_ALTERNATIVES)})"
+        )
+    return names
 
 
 class KernelUnavailable(RuntimeError):

@@ -5,6 +5,7 @@ under once) checks the C++ side's preconditions too and aborts naming the failed
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -121,3 +122,54 @@ def test_a_debug_build_aborts_naming_the_failed_precondition():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "batchgen kernel rms_norm: precondition failed: x && w && out && rows >= 0 && dim > 0" in done.stderr
+
+
+RUN = """
+import json, sys
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen_kernels import cpu_beam, cpu_ops, cpu_sampling
+calls = {}
+def counted(module, name):
+    fn = getattr(module, name)
+    def wrapper(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    setattr(module, name, wrapper)
+for module, names in ((cpu_ops, ["rms_norm", "add_rms_norm", "rotary", "kv_write", "zero_blocks", "copy_blocks"]),
+                      (cpu_beam, ["beam_topk"]), (cpu_sampling, ["sample_rows", "tempered_softmax", "greedy_pick"])):
+    for name in names:
+        counted(module, name)
+llm = LLM(sys.argv[1], device="cpu", num_kv_blocks=64, block_size=8, seed=0)
+prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 2 + i, 7] for i in range(3)]
+greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+beams = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=6))
+print(json.dumps({
+    "greedy": [o.outputs[0].token_ids for o in greedy],
+    "beams": [[s.tokens for s in b.sequences] for b in beams],
+    "linear_backend": llm.stats()["linear_backend"],
+    "calls": sorted(calls),
+}))
+"""
+
+
+def run_engine(model: str, **env: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, model], capture_output=True, text=True, timeout=600, env={**os.environ, **env}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_sent_to_its_library_path_gives_the_same_tokens(llama_dir):
+    """``BATCHGEN_LIBRARY_KERNELS`` (how scripts/kernel_ablation.py measures each kernel) swaps
+    paths, not results: greedy tokens and beams equal the all-compiled engine's."""
+    compiled = run_engine(llama_dir)
+    library = run_engine(llama_dir, BATCHGEN_LIBRARY_KERNELS=",".join(cpu.LIBRARY_ALTERNATIVES))
+    assert {"add_rms_norm", "rotary", "kv_write", "zero_blocks", "beam_topk"} <= set(compiled.pop("calls"))
+    assert library.pop("calls") == []  # no compiled kernel but the GEMM's ran
+    assert compiled == library and compiled["linear_backend"] == "cpu"
+    unknown = subprocess.run(
+        [sys.executable, "-c", RUN, llama_dir], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "BATCHGEN_LIBRARY_KERNELS": "rms_norm,warp_drive"},
+    )
+    assert unknown.returncode != 0 and "BATCHGEN_LIBRARY_KERNELS: unknown kernel warp_drive" in unknown.stderr
