@@ -3,7 +3,7 @@
 from batchgen.engine.engine import LLMEngine
 from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, StructuredOutputsParams
 from batchgen.utils import FlexibleArgumentParser
 from batchgen.vllm_compat import EngineArgs
 
@@ -12,6 +12,7 @@ __all__ = [
     "SamplingParams",
     "BeamSearchParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -189,14 +189,17 @@ def _config_keys() -> str:
     from dataclasses import MISSING, fields
 
     from batchgen.config import EngineConfig
-    from batchgen.job.config import InputConfig, OutputConfig, RayConfig, RunConfig
+    from batchgen.job.config import InputConfig, LoRAConfig, OutputConfig, RayConfig, RunConfig
 
     def keys(cls, skip=()) -> str:
         out = []
         for f in fields(cls):
             if f.name in skip:
                 continue
-            default = "required" if f.default is MISSING else repr(f.default)
+            if f.default is not MISSING:
+                default = repr(f.default)
+            else:
+                default = "required" if f.default_factory is MISSING else repr(f.default_factory())
             out.append(f"{f.name}={default}")
         return ", ".join(out)
 
@@ -211,6 +214,7 @@ def _config_keys() -> str:
             f"  engine: {keys(EngineConfig, skip=('model',))}",
             f"  run: {keys(RunConfig)}",
             f"  ray (run.executor: ray): {keys(RayConfig)}",
+            f"  lora (input.lora_column names one per row): {keys(LoRAConfig)}",
             "exit codes: 0 done, 1 failed (output, input, too many failed rows), 2 refused before any "
             "work, 128 + signal when stopped by SIGTERM / SIGINT (finished rows saved)",
         ]

@@ -26,6 +26,8 @@ class EngineConfig:
     ``admission_order``: "prefix" admits the requests of one ``generate`` call (or a job's lookahead
     window) so that those sharing a prompt prefix run together (``batchgen/engine/admission.py``),
     and computes identical deterministic requests once; "input" admits them in the order given.
+    ``enable_lora``: requests may run on LoRA adapters (``batchgen/model/lora.py``); at most
+    ``max_loras`` of them are resident and run in one step, each of rank at most ``max_lora_rank``.
     """
 
     model: str
@@ -50,6 +52,9 @@ class EngineConfig:
     tokenizer: str | None = None  # a tokenizer directory other than the model's
     admission_order: str = "prefix"  # "prefix": rows sharing a prefix run together; "input"
     generation_config: str = "auto"  # LLM.get_default_sampling_params: "auto" (the model's), "vllm" (none), a directory
+    enable_lora: bool = False  # requests may name a LoRA adapter (``LoRARequest``)
+    max_loras: int = 1  # adapters resident at once (and run in one step)
+    max_lora_rank: int = 16  # the largest rank an adapter may have
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:
@@ -86,6 +91,9 @@ class EngineConfig:
             raise bad("swap_space_gb", "> 0")
         if self.admission_order not in ("prefix", "input"):
             raise bad("admission_order", "one of prefix, input")
+        for key in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
+                raise bad(key, "an integer >= 1")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "auto, vllm or a directory holding generation_config.json")
 

@@ -18,7 +18,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.admission import admission_plan
 from batchgen.engine.engine import LLMEngine
 from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
 from batchgen.vllm_compat import from_vllm_kwargs, from_vllm_prompt
 
 # generation_config.json keys that vLLM's get_default_sampling_params takes, and their names here
@@ -69,10 +69,12 @@ class LLM:
         use_tqdm: bool | None = None,
         *,
         sampling_params: Params | Sequence[Params] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt. ``params`` (or vLLM's ``sampling_params=``): one for all
         prompts, or one per prompt. A prompt is text, token ids, or vLLM's ``{"prompt": text}`` /
-        ``{"prompt_token_ids": ids}``.
+        ``{"prompt_token_ids": ids}``. ``lora_request`` (with ``enable_lora=True``): the LoRA adapter
+        of every prompt, or one per prompt, None for the base model.
 
         Every prompt and parameter set is validated before any request enters the engine; a bad one
         raises ValueError naming the prompt's position and the problem. A request that passed
@@ -94,19 +96,26 @@ class LLM:
             per_prompt = list(params)
             if len(per_prompt) != len(prompt_list):
                 raise ValueError(f"got {len(per_prompt)} parameter sets for {len(prompt_list)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         engine = self.engine
         checked = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, per_prompt, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(prompt_list, per_prompt, loras, strict=True)):
             try:
-                checked.append((engine.prepare(prompt, p), p))
+                checked.append((engine.prepare(prompt, p, lora), p, lora))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [str(next(self._ids)) for _ in checked]
         add, duplicates = admission_plan(
-            [prepared.token_ids for prepared, _ in checked],
-            [p for _, p in checked],
+            [prepared.token_ids for prepared, _, _ in checked],
+            [p for _, p, _ in checked],
             engine.block_size,
             engine.cfg.admission_order == "prefix",
+            [0 if lora is None else lora.lora_int_id for _, _, lora in checked],
         )
         for i in add:
             engine.add_request(ids[i], *checked[i])
@@ -220,6 +229,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{role, content}``) or a list of them,
         through the model's chat template (or ``chat_template``, a Jinja template text); one
@@ -248,20 +258,24 @@ class LLM:
                 raise ValueError(f"conversation {i}: chat template failed: {e}") from None
             texts.append(text)
             ids.append(tok(text, add_special_tokens=False)["input_ids"])  # the template has its specials
-        outs = self.generate(ids, sampling_params, use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm, lora_request=lora_request)
         for out, text in zip(outs, texts, strict=True):
             out.prompt = text
         return outs
 
     def beam_search(
-        self, prompts: Any, params: BeamSearchParams, use_tqdm: bool | None = None
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search`` shape (``outputs[i].sequences``, best first), with
-        transformers' beam semantics (see the README)."""
+        transformers' beam semantics (see the README); ``lora_request`` as in ``generate``."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search takes BeamSearchParams, got {type(params).__name__}")
         results = []
-        for out in self.generate(prompts, params, use_tqdm):
+        for out in self.generate(prompts, params, use_tqdm, lora_request=lora_request):
             results.append(
                 BeamSearchOutput(
                     [

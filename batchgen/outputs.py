@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length"]
 
@@ -67,6 +67,7 @@ class RequestOutput:
     # when asked (``SamplingParams.prompt_logprobs``): per prompt token, None for the first, else
     # {token_id: Logprob} with the prompt token and the top ones under the raw model
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: Any = None  # the LoRARequest it ran on (None: the base model)
 
 
 @dataclass

@@ -323,3 +323,32 @@ class BeamSearchParams(_Params):
     @property
     def group_size(self) -> int:
         return self.beam_width
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's ``LoRARequest``: a PEFT LoRA adapter directory, named ``lora_name`` and identified by
+    ``lora_int_id`` (>= 1; 0 is the base model). Requests with the same id use the same adapter;
+    the id is mixed into the prefix cache's block hashes."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lora_name, str) and bool(self.lora_name), "lora_name", self.lora_name, "a non-empty string")
+        _check(_is_int(self.lora_int_id) and self.lora_int_id >= 1, "lora_int_id", self.lora_int_id, "an integer >= 1")
+        _check(isinstance(self.lora_path, str) and bool(self.lora_path), "lora_path", self.lora_path, "an adapter directory")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path

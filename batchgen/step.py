@@ -43,6 +43,7 @@ class Chunk(NamedTuple):
     samples: bool
     all_logits: bool = False  # the logits of every token are returned (prompt log-probabilities)
     seq_len: int = 0  # the sequence's length, computed or not (LongRoPE picks its frequencies by it)
+    lora_id: int = 0  # the sequence's LoRA adapter (``LoRARequest.lora_int_id``; 0: the base model)
 
     @property
     def num_new_tokens(self) -> int:

@@ -295,3 +295,37 @@ def make_bench_moe_model(path: str | Path) -> Path:
         decoder_sparse_step=1,
         norm_topk_prob=True,
     )
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(
+    path: str | Path,
+    model_dir: str | Path,
+    rank: int = 8,
+    alpha: int = 16,
+    targets: tuple[str, ...] | list[str] = ALL_PROJECTIONS,
+    seed: int = 0,
+    scale: float = 0.05,
+    **lora_kwargs,
+) -> Path:
+    """Write a PEFT LoRA adapter of the model in ``model_dir`` to ``path`` with peft's own
+    ``save_pretrained``: random, non-zero A and B (peft starts B at zero), ``scale`` their
+    standard deviation. ``lora_kwargs`` go to ``LoraConfig`` (``use_rslora``, ``alpha_pattern``, ...)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **lora_kwargs)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    path.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(path))
+    return path

@@ -11,7 +11,7 @@ Every vLLM keyword falls in one of four kinds:
   ``cpu_offload_gb``, ``quantization``, ...): accepted, with a warning when its value is not vLLM's
   default;
 - **refused** where honouring it is impossible and ignoring it would give other results than the
-  user asked for (``tensor_parallel_size > 1``, ``trust_remote_code=True``, ``enable_lora=True``).
+  user asked for (``tensor_parallel_size > 1``, ``trust_remote_code=True``).
 
 Any other keyword raises ``ValueError`` naming it, with a suggestion when a known name is close.
 """
@@ -51,6 +51,8 @@ NO_EFFECT = frozenset(
         "max_logprobs",
         "disable_async_output_proc",
         "async_scheduling",
+        "max_cpu_loras",  # every adapter read stays on the host
+        "fully_sharded_loras",
     }
 )
 
@@ -65,6 +67,7 @@ IGNORED_WITH_WARNING: dict[str, tuple[Any, str]] = {
     "enable_sleep_mode": (False, "there is no sleep mode"),
     "speculative_config": (None, "there is no speculative decoding"),
     "hf_overrides": (None, "the config is read as saved"),
+    "lora_dtype": ("auto", "adapters run in the model's dtype"),
     "max_num_partial_prefills": (1, "chunked prefills are scheduled by the token budget"),
     "scheduling_policy": ("fcfs", "requests are admitted in prefix order (admission_order)"),
 }
@@ -82,7 +85,6 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
         False,
         "batchgen runs only the architectures it implements and never executes code from a checkpoint",
     ),
-    "enable_lora": (False, "LoRA adapters are not supported"),
 }
 
 RENAMED = {"swap_space": "swap_space_gb"}
@@ -181,13 +183,15 @@ class EngineArgs:
     tokenizer: str | None = None
     admission_order: str = "prefix"
     generation_config: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # vLLM's names
     swap_space: float | None = None
     enforce_eager: bool | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
     trust_remote_code: bool | None = None
-    enable_lora: bool | None = None
     kv_cache_dtype: str | None = None
     cpu_offload_gb: float | None = None
     quantization: str | None = None

@@ -1,7 +1,7 @@
 """Benchmarks of docs/benchmarks.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D M R J J-FREE] [--model models/bench-56m] [--moe-model models/bench-moe]
+    python scripts/bench.py [S B P D M R J J-FREE A] [--model models/bench-56m] [--moe-model models/bench-moe]
                             [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
                             [--engine-setting K=V] [--repeat N]
@@ -16,6 +16,12 @@ Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16
 Workload J runs S's requests with every completion constrained to a 5-field JSON schema (structured
 outputs, ending at the grammar's end); J-FREE the same requests unconstrained, also ending at EOS;
 transformers runs J with the same xgrammar grammar as a logits processor.
+
+Workload A runs S's requests with the rows spread round-robin over four rank-16 LoRA adapters on all
+seven projections (``batchgen.tiny.make_adapter``, built beside the model), in one call: against
+batchgen on the base model (the same rows, no adapters), against the four adapters one after
+another (one call each, generation time only), and against transformers + peft with the rows of
+one adapter batched together (needs ``peft``).
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's. ``--repeat N`` runs each side N
@@ -91,6 +97,8 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
 
     if "S" in names:
         out.append(n_best("S", rng, "n-best sampling n=8"))
+    if "A" in names:  # S's very prompts, round-robin over four LoRA adapters
+        out.append(n_best("A", np.random.default_rng(0), "S's requests over 4 rank-16 LoRA adapters"))
     if "R" in names:  # 32 prompts of 32-256 tokens, n=4, on the deep narrow model
         generator = np.random.default_rng(3)
         lens = generator.integers(32, 257, size=32)
@@ -191,6 +199,128 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
             )
         )
     return out
+
+
+LORA_ADAPTERS = 4
+LORA_RANK = 16
+
+
+def lora_adapters(model_dir: str) -> list[str]:
+    """Workload A's adapters beside the model (built once): rank 16 on all seven projections."""
+    from batchgen.tiny import make_adapter
+
+    paths = []
+    for i in range(LORA_ADAPTERS):
+        path = Path(f"{model_dir}-lora") / f"a{i}"
+        if not (path / "adapter_config.json").exists():
+            make_adapter(path, model_dir, rank=LORA_RANK, alpha=32, seed=100 + i, scale=0.02)
+        paths.append(str(path))
+    return paths
+
+
+def _sampling(w: Workload, i: int, m: int):
+    from batchgen import SamplingParams
+
+    return SamplingParams(n=w.n, temperature=w.temperature, top_p=w.top_p, max_tokens=m, ignore_eos=True, seed=i)
+
+
+def run_batchgen_lora(model_dir: str, w: Workload, threads: int, mode: str, dtype: str = "float32") -> dict:
+    """Workload A on batchgen: ``mixed`` (every row on its adapter, one call), ``base`` (the same
+    rows, no adapters, LoRA off), ``sequential`` (one call per adapter, generation time summed)."""
+    from batchgen import LLM, LoRARequest, SamplingParams
+
+    torch.set_num_threads(threads)
+    paths = lora_adapters(model_dir)
+    reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    lora = {} if mode == "base" else {"enable_lora": True, "max_loras": len(reqs), "max_lora_rank": LORA_RANK}
+    llm = LLM(model_dir, dtype=dtype, device="cpu", max_num_seqs=256, max_num_batched_tokens=2048,
+              seed=0, num_threads=threads, **lora)
+    params = [_sampling(w, i, m) for i, m in enumerate(w.max_tokens)]
+    row_lora = [reqs[i % len(reqs)] for i in range(len(w.prompts))]
+    warm = [None] if mode == "base" else reqs  # every adapter read before the timing
+    llm.generate([w.prompts[0][:16]] * len(warm), SamplingParams(max_tokens=2), use_tqdm=False,
+                 lora_request=None if mode == "base" else warm)
+    llm.engine.reset_stats()
+    if mode == "sequential":
+        wall, gen = 0.0, 0
+        for k, req in enumerate(reqs):
+            rows = [i for i in range(len(w.prompts)) if i % len(reqs) == k]
+            t0 = time.perf_counter()
+            outs = llm.generate([w.prompts[i] for i in rows], [params[i] for i in rows], use_tqdm=False,
+                                lora_request=req)
+            wall += time.perf_counter() - t0
+            gen += sum(len(c.token_ids) for o in outs for c in o.outputs)
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(w.prompts, params, use_tqdm=False, lora_request=None if mode == "base" else row_lora)
+        wall = time.perf_counter() - t0
+        gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert gen == useful_tokens(w), (gen, useful_tokens(w))
+    return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall, "stats": llm.stats()}
+
+
+def run_hf_lora(model_dir: str, w: Workload, threads: int, dtype: str = "float32") -> dict:
+    """Workload A on transformers + peft: each adapter's rows in one ``generate`` batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    paths = lora_adapters(model_dir)
+    wall, gen = 0.0, 0
+    for k, path in enumerate(paths):
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        model = PeftModel.from_pretrained(base, path).eval()
+        rows = [i for i in range(len(w.prompts)) if i % len(paths) == k]
+        batch = [w.prompts[i] for i in rows]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, p in enumerate(batch):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        top = max(w.max_tokens[i] for i in rows)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=top, min_new_tokens=top,
+                           pad_token_id=0, do_sample=True, temperature=w.temperature, top_p=w.top_p, top_k=0,
+                           num_return_sequences=w.n)
+        wall += time.perf_counter() - t0
+        gen += sum(w.max_tokens[i] * w.n for i in rows)
+    return {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall}
+
+
+def bench_lora(model_dir: str, w: Workload, threads: int, repeat: int, skip_baseline: bool, dtype: str) -> dict:
+    """Workload A: every side ``repeat`` times, alternating, each in a fresh process; medians."""
+    lora_adapters(model_dir)
+    sides = ["mixed", "base", "sequential"] + ([] if skip_baseline else ["transformers+peft"])
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(repeat):
+        for side in sides:
+            if side == "transformers+peft":
+                r = in_fresh_process(run_hf_lora, model_dir, w, threads, dtype)
+            else:
+                r = in_fresh_process(run_batchgen_lora, model_dir, w, threads, side, dtype)
+            runs[side].append(r)
+            print(f"    {side:<18} {r['tokens_per_s']:8.1f} tok/s ({r['wall_s']:.1f} s)", flush=True)
+    med = {side: median_run(rs) for side, rs in runs.items()}
+    mixed = med["mixed"]["tokens_per_s"]
+    print(f"\n| workload A ({LORA_ADAPTERS} adapters, rank {LORA_RANK}, all 7 projections) | tok/s | mixed over it |")
+    print("| --- | --- | --- |")
+    for side in sides:
+        t = med[side]["tokens_per_s"]
+        print(f"| batchgen {side} | {t:.1f} | {mixed / t:.2f}x |" if side != "transformers+peft"
+              else f"| {side} (one batch per adapter) | {t:.1f} | {mixed / t:.2f}x |")
+    st = med["mixed"]["stats"]
+    print(f"    mixed: adapters read {st['lora_disk_loads']}, made resident {st['lora_activations']}, "
+          f"evicted {st['lora_evictions']}")
+    return {
+        "workload": "A",
+        "medians_tokens_per_s": {side: med[side]["tokens_per_s"] for side in sides},
+        "runs_tokens_per_s": {side: [r["tokens_per_s"] for r in rs] for side, rs in runs.items()},
+        "mixed_over_base": mixed / med["base"]["tokens_per_s"],
+        "mixed_over_sequential": mixed / med["sequential"]["tokens_per_s"],
+        "stats": st,
+    }
 
 
 def useful_tokens(w: Workload) -> int:
@@ -476,6 +606,15 @@ def main() -> None:
     # L last: workloads that ran right after its transformers side (a 3 GB process) came out 35-40%
     # slower in two float32 runs than the same requests at other times
     workloads.sort(key=lambda w: w.long)
+    lora_rows = []
+    for w in [w for w in workloads if w.name == "A"]:
+        print(f"workload A: {w.notes}, {len(w.prompts)} prompts ({args.model})", flush=True)
+        lora_rows.append(bench_lora(args.model, w, args.threads, args.repeat, args.skip_baseline, args.dtype))
+    workloads = [w for w in workloads if w.name != "A"]
+    if not workloads:
+        Path(args.json).write_text(json.dumps({"results": lora_rows}, indent=2, default=str))
+        print(f"wrote {args.json}")
+        return
     for w in workloads:
         model = model_of(w)
         print(f"workload {w.name}: {w.notes}, {len(w.prompts)} prompts ({model})", flush=True)
@@ -616,7 +755,7 @@ def main() -> None:
         "engine_settings": settings,
         "gemm_gflops": rates,
     }
-    Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": rows + lora_rows}, indent=2, default=str))
     print(f"wrote {args.json}")
 
 

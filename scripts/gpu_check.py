@@ -206,6 +206,35 @@ def check_small_kernels(bw: float, rows: list) -> None:
     rows.append(kernel_row("copy_blocks 256 pairs x 16 layers", ok, ms, nbytes, bw))
 
 
+def check_lora_kernels(bw: float, rows: list) -> None:
+    """LoRA's SGMV shrink and expand at bench-1b's qkv shape (hidden 2048 -> 3072), 4 adapters of
+    rank 16 per part over 512 tokens in 8 segments, bf16, against the torch references."""
+    import triton.testing
+
+    from batchgen_kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+
+    t, hidden, out, rank, slots = 512, 2048, 3072, 48, 4
+    x = torch.randn((t, hidden), device="cuda", dtype=torch.bfloat16)
+    a = torch.randn((slots, rank, hidden), device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn((slots, out, rank), device="cuda", dtype=torch.bfloat16) * 0.02
+    starts = list(range(0, t, t // 8))
+    seg = torch.tensor([starts, [t // 8] * 8, [i % slots for i in range(8)]], dtype=torch.int32, device="cuda")
+    shrunk = lora_shrink(x, a, seg, t // 8)
+    err = rel_err(shrunk, lora_shrink_ref(x, a, seg))
+    ms = triton.testing.do_bench(lambda: lora_shrink(x, a, seg, t // 8), warmup=25, rep=200, return_mode="median")
+    rows.append({**kernel_row("lora_shrink 512 tokens, 8 segments", err < 1e-2, ms,
+                              x.numel() * 2 + a.numel() * 2 + t * rank * 4, bw), "rel_err": err})
+    y = torch.randn((t, out), device="cuda", dtype=torch.bfloat16)
+    want = y.clone()
+    lora_expand_ref(shrunk, b, want, seg)
+    lora_expand(shrunk, b, y, seg, t // 8)
+    err = rel_err(y, want)
+    ms = triton.testing.do_bench(lambda: lora_expand(shrunk, b, y, seg, t // 8), warmup=25, rep=200,
+                                 return_mode="median")
+    rows.append({**kernel_row("lora_expand 512 tokens, 8 segments", err < 1e-2, ms,
+                              2 * y.numel() * 2 + b.numel() * 2 + t * rank * 4, bw), "rel_err": err})
+
+
 def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     import numpy as np
     import triton.testing
@@ -423,6 +452,7 @@ def main() -> None:
 
     section("attention kernels", check_attention, bw, kernels)
     section("KV write and block copy", check_small_kernels, bw, kernels)
+    section("LoRA kernels", check_lora_kernels, bw, kernels)
     section("engine paths", check_engine_paths, bw, kernels, engine_checks)
     section("families", lambda: engine_checks.append(check_families()))
     for r in engine_checks:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from batchgen.tiny import ARCHS, make_model
+from batchgen.tiny import ARCHS, make_adapter, make_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU machine
@@ -54,3 +54,22 @@ def head64_dir(tmp_path_factory) -> str:
             num_kv_heads=1,
         )
     )
+
+
+@pytest.fixture(scope="session")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
+    """Three adapters of the tiny Llama: ranks 4, 8 and 16 with different alphas, one rsLoRA, one on
+    the attention projections only with a per-module alpha."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "r4": str(make_adapter(root / "r4", llama_dir, rank=4, alpha=8, seed=1, scale=0.15)),
+        "r8": str(
+            make_adapter(root / "r8", llama_dir, rank=8, alpha=32, seed=2, scale=0.1, use_rslora=True)
+        ),
+        "r16": str(
+            make_adapter(
+                root / "r16", llama_dir, rank=16, alpha=16, seed=3, scale=0.1,
+                targets=["q_proj", "k_proj", "v_proj", "o_proj"], alpha_pattern={"v_proj": 48},
+            )
+        ),
+    }

@@ -63,8 +63,10 @@ def prefix_order(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]
     return sorted(range(len(prompts)), key=lambda i: keys[i])
 
 
-def duplicate_key(token_ids: Sequence[int], params: SamplingParams | BeamSearchParams) -> tuple | None:
-    """Requests with equal keys produce equal outputs: the same prompt and parameters, and
+def duplicate_key(
+    token_ids: Sequence[int], params: SamplingParams | BeamSearchParams, lora_id: int = 0
+) -> tuple | None:
+    """Requests with equal keys produce equal outputs: the same prompt, adapter and parameters, and
     parameters that leave nothing to chance (beam search, greedy, or an explicit seed: a seeded
     request's draws do not depend on the batch; a greedy request's seed is irrelevant). None: the
     request must run on its own."""
@@ -73,7 +75,7 @@ def duplicate_key(token_ids: Sequence[int], params: SamplingParams | BeamSearchP
             params = dataclasses.replace(params, seed=None)
         elif params.seed is None:
             return None
-    return (tuple(token_ids), type(params).__name__, repr(params))
+    return (tuple(token_ids), lora_id, type(params).__name__, repr(params))
 
 
 def admission_plan(
@@ -81,11 +83,12 @@ def admission_plan(
     params: Sequence[SamplingParams | BeamSearchParams],
     block_size: int,
     by_prefix: bool = True,
+    lora_ids: Sequence[int] | None = None,
 ) -> tuple[list[int], dict[int, int]]:
     """For a list of requests known in full (``LLM.generate``, a Ray replica's batch): the indices
     to add to the engine, in admission order (``prefix_order`` when ``by_prefix``, else as given),
     and the identical deterministic requests computed once (a duplicate's index -> the index
-    computed; only when ``by_prefix``)."""
+    computed; only when ``by_prefix``). ``lora_ids``: each request's adapter (0: none)."""
     order: Sequence[int] = range(len(prompts))
     if by_prefix and len(prompts) > 1:
         order = prefix_order(prompts, block_size)
@@ -93,7 +96,7 @@ def admission_plan(
     copies: dict[int, int] = {}
     add = []
     for i in order:
-        key = duplicate_key(prompts[i], params[i]) if by_prefix else None
+        key = duplicate_key(prompts[i], params[i], lora_ids[i] if lora_ids else 0) if by_prefix else None
         if key is not None and key in leaders:
             copies[i] = leaders[key]
             continue

@@ -27,7 +27,7 @@ from batchgen.engine.structured import StructuredOutputs, allow_only
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
 from batchgen.utils import cdiv
 from batchgen.vllm_compat import EngineArgs, from_vllm_prompt
 
@@ -81,6 +81,7 @@ class LLMEngine:
             cfg.max_num_batched_tokens,
             self.runner.preemption_mode,
             rope_switch=self.runner.model.long_rope_after,
+            max_loras=cfg.max_loras if cfg.enable_lora else 0,
         )
         self._rng = np.random.default_rng(cfg.seed)
         self._pending: dict[int, torch.Tensor] = {}  # beam seq id -> logits row waiting for its siblings
@@ -150,17 +151,38 @@ class LLMEngine:
         shared = num_prompt_tokens // bs
         return shared + params.group_size * (cdiv(last, bs) - shared)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams | BeamSearchParams) -> Prompt:
-        """Tokenize and validate one request, and compile its grammar (cached). Raises ValueError
-        (naming the problem) on bad input."""
+    def prepare(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> Prompt:
+        """Tokenize and validate one request, compile its grammar (cached) and read its LoRA adapter
+        (once per adapter). Raises ValueError (naming the problem) on bad input."""
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(
                 f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
             )
+        self.add_lora(lora_request)
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         self.compile_grammar(params)
         return Prompt(text, ids)
+
+    def add_lora(self, lora_request: LoRARequest | None) -> bool:
+        """Read a LoRA adapter and check it against the model (once per ``lora_int_id``; vLLM's
+        ``add_lora``); ``ValueError`` naming what is wrong. None: nothing to do."""
+        if lora_request is None:
+            return False
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but the engine was built without "
+                "enable_lora=True"
+            )
+        self.runner.lora.add(lora_request)
+        return True
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -184,13 +206,16 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int] | Prompt,
         params: SamplingParams | BeamSearchParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue one request (``prepare``d already, or prepared here). Raises ValueError, queuing
-        nothing, on bad input."""
+        """Queue one request (``prepare``d already, or prepared here), on the LoRA adapter of
+        ``lora_request`` (None: the base model). Raises ValueError, queuing nothing, on bad input."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already queued or running")
         if not isinstance(prompt, Prompt):
-            prompt = self.prepare(from_vllm_prompt(prompt), params)
+            prompt = self.prepare(from_vllm_prompt(prompt), params, lora_request)
+        else:
+            self.add_lora(lora_request)
         matcher = None
         if params.structured_outputs is not None:
             matcher = self.structured.matcher(params.structured_outputs, self._grammar_stops(params))
@@ -200,6 +225,8 @@ class LLMEngine:
         wants_prompt_logprobs = isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         private = wants_prompt_logprobs or not self.cfg.enable_prefix_caching
         cache_key: object = ("req", request_id) if private else None
+        if lora_request is not None:  # an adapter's blocks hold other KV: cached apart per adapter
+            cache_key = ("lora", lora_request.lora_int_id, cache_key)
         switch = self.runner.model.long_rope_after
         if switch is not None and len(ids) > switch:  # LongRoPE: long frequencies from the start
             cache_key = long_rope_key(cache_key)
@@ -210,6 +237,7 @@ class LLMEngine:
             prompt_token_ids=list(ids),
             cache_key=cache_key,
             prompt_logprobs=[None] * len(ids) if wants_prompt_logprobs else None,
+            lora_request=lora_request,
         )
         seed = params.seed if isinstance(params, SamplingParams) and params.seed is not None else None
         base = seed if seed is not None else int(self._rng.integers(0, 2**63))
@@ -550,6 +578,7 @@ class LLMEngine:
             num_cached_tokens=group.num_cached_tokens or 0,
             outputs=completions,
             prompt_logprobs=group.prompt_logprobs,
+            lora_request=group.lora_request,
         )
 
     # -- statistics ----------------------------------------------------------------------------
@@ -585,4 +614,14 @@ class LLMEngine:
             "expert_s": tm.experts,
             "lm_head_s": tm.lm_head,
             **(self._structured.stats() if self._structured is not None else StructuredOutputs.no_stats()),
+            **self._lora_stats(),
+        }
+
+    def _lora_stats(self) -> dict[str, int]:
+        """Adapters read from disk, made resident (loaded into a slot) and evicted from one."""
+        lora = self.runner.lora
+        return {
+            "lora_disk_loads": lora.disk_loads if lora else 0,
+            "lora_activations": lora.activations if lora else 0,
+            "lora_evictions": lora.evictions if lora else 0,
         }

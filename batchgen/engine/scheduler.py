@@ -13,7 +13,9 @@ One step (``schedule``):
    keeps its computed state, falling back to recompute when the host pool is full.
 2. Waiting groups (preempted ones first, then new ones in arrival order) are admitted while no
    group is swapped out and the token budget, ``max_num_seqs`` and the pool (minus the watermark)
-   allow. A sequence without blocks starts from its longest cached prefix.
+   allow. A sequence without blocks starts from its longest cached prefix. With LoRA, a group whose
+   adapter would raise the running adapters above ``max_loras`` waits, and the first waiting group
+   whose adapter fits (or that has none) goes before it.
 
 The result is a ``SchedulerOutput``: which sequences run how many tokens, which blocks to swap
 (in the order decided) and which to copy.
@@ -75,6 +77,7 @@ class SchedulerOutput:
                 s.samples,
                 s.seq.group.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens - 1,
                 s.seq.num_tokens,
+                s.seq.group.lora_id,
             )
             for s in self.scheduled
         ]
@@ -98,8 +101,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "recompute",
         rope_switch: int | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.bm = block_manager
+        # LoRA: at most this many adapters among the running groups (0: no adapters)
+        self.max_loras = max_loras
         # LongRoPE's switch length: a group growing past it is recomputed (``_schedule_running``).
         self.rope_switch = rope_switch
         self.num_rope_recomputes = 0
@@ -158,6 +164,14 @@ class Scheduler:
         computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
         while self.waiting and budget > 0 and len(out.preempted) == recomputing and not self.swapped:
             group = self.waiting[0]
+            if not self._adapter_fits(group):
+                # its adapter would be one too many: the first waiting group whose adapter fits goes first
+                later = next((g for g in self.waiting if self._adapter_fits(g)), None)
+                if later is None:
+                    break
+                self.waiting.remove(later)
+                self.waiting.appendleft(later)
+                group = later
             plans, need = self._plan(group, budget)
             if not plans or not self._can_admit(group, need):
                 break
@@ -175,6 +189,13 @@ class Scheduler:
                     )
         out.fresh_blocks = self.bm.take_fresh_blocks()
         return out
+
+    def _adapter_fits(self, group: SequenceGroup) -> bool:
+        """Whether ``group`` may run beside the running groups within ``max_loras`` adapters."""
+        if not group.lora_id:
+            return True
+        running = {g.lora_id for g in self.running} - {0}
+        return group.lora_id in running or len(running) < self.max_loras
 
     def _can_admit(self, group: SequenceGroup, blocks: int) -> bool:
         """Whether a waiting or swapped group may join the running ones with ``blocks`` more

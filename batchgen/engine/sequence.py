@@ -100,6 +100,11 @@ class SequenceGroup:
     beam: Any = None  # BeamState for beam search requests
     error: str | None = None  # set when the engine gave up on the request (it is then finished)
     prompt_logprobs: list[Any] | None = None  # per prompt position, when the request asked for them
+    lora_request: Any = None  # the request's LoRARequest (None: the base model)
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_beam(self) -> bool:

@@ -19,7 +19,7 @@ import yaml
 from batchgen.config import EngineConfig
 from batchgen.job.source import check_readable, column_names, schema_of
 from batchgen.model.loader import tokenizer_problem
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
 OUTPUT_FORMATS = ("parquet", "openai")
@@ -37,6 +37,7 @@ class InputConfig:
     messages_column: str | None = None
     id_column: str | None = None
     params_column: str | None = None  # a struct / JSON-object column of per-row generation overrides
+    lora_column: str | None = None  # each row's LoRA adapter: a name of lora.adapters, or null (the base model)
     batch_rows: int = 1024
     limit: int | None = None
 
@@ -78,6 +79,51 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """``lora:``: PEFT LoRA adapters by name, for ``input.lora_column``."""
+
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> adapter directory
+    max_loras: int | None = None  # resident at once; default: all of them, at most 4
+    max_lora_rank: int | None = None  # default: the largest rank among the adapters
+
+    def requests(self) -> dict[str, LoRARequest]:
+        """One ``LoRARequest`` per adapter, ids 1, 2, ... in name order."""
+        return {
+            name: LoRARequest(name, i, str(Path(path).resolve()))
+            for i, (name, path) in enumerate(sorted(self.adapters.items()), start=1)
+        }
+
+    def engine_settings(self) -> dict[str, Any]:
+        if not self.adapters:
+            return {}
+        return {
+            "enable_lora": True,
+            "max_loras": self.max_loras or min(len(self.adapters), 4),
+            "max_lora_rank": self.max_lora_rank or max(adapter_rank(p) for p in self.adapters.values()),
+        }
+
+    def fingerprint(self) -> dict[str, str]:
+        """Each adapter's files, hashed: a changed adapter is a changed config."""
+        out = {}
+        for name, path in sorted(self.adapters.items()):
+            digest = hashlib.sha256()
+            for f in sorted(p for p in Path(path).glob("*") if p.is_file()):
+                digest.update(f.name.encode() + b"\0" + f.read_bytes())
+            out[name] = digest.hexdigest()[:16]
+        return out
+
+
+def adapter_rank(path: str) -> int:
+    """The largest rank an adapter's ``adapter_config.json`` declares (``r`` and ``rank_pattern``)."""
+    try:
+        cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+        ranks = [int(cfg.get("r", 8))] + [int(r) for r in (cfg.get("rank_pattern") or {}).values()]
+    except (OSError, ValueError, TypeError):
+        return 16
+    return max(ranks)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: str
     input: InputConfig
@@ -86,7 +132,12 @@ class JobConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     run: RunConfig = field(default_factory=RunConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     source_file: str | None = None
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings: ``engine:``, with LoRA switched on when ``lora:`` names adapters."""
+        return EngineConfig.from_kwargs(self.model, **{**self.engine, **self.lora.engine_settings()})
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         """The generation parameters with a row's overrides. A row that gives ``beam_width`` in a
@@ -129,9 +180,11 @@ class JobConfig:
                     "messages_column",
                     "id_column",
                     "params_column",
+                    "lora_column",
                     "limit",
                 )
             },
+            **({"lora": self.lora.fingerprint()} if self.lora.adapters else {}),
             "output_format": self.output.format,
             "shard": self.run.shard,
             "add_generation_prompt": self.run.add_generation_prompt,
@@ -253,7 +306,7 @@ def _not_a_directory(path: str) -> str | None:
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
-    top = {"model", "engine", "input", "generation", "output", "run", "ray"}
+    top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora"}
     for key in data:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
@@ -272,12 +325,15 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append("output: required section (output.path)")
     run = _section(RunConfig, data.get("run"), "run", problems) or RunConfig()
     ray = _section(RayConfig, data.get("ray"), "ray", problems) or RayConfig()
+    lora = _lora_section(data.get("lora"), problems)
     engine = _mapping(data, "engine", problems, lambda v: EngineConfig.from_kwargs(model or ".", **v))
     gen = _mapping(
         data, "generation", problems, lambda v: (BeamSearchParams if "beam_width" in v else SamplingParams).from_dict(v)
     )
     if inp is not None:
         _check_input(inp, problems)
+        if inp.lora_column and not lora.adapters:
+            problems.append("input.lora_column: needs adapters to name (lora.adapters: {NAME: PATH})")
     if isinstance(model, str) and model and Path(model).is_dir():
         tok_dir = (data.get("engine") or {}).get("tokenizer") if isinstance(data.get("engine"), dict) else None
         problem = tokenizer_problem(tok_dir or model)
@@ -326,8 +382,33 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         engine=engine,
         run=run,
         ray=ray,
+        lora=lora,
         source_file=source_file,
     )
+
+
+def _lora_section(raw: Any, problems: list[str]) -> LoRAConfig:
+    """``lora:``: adapters (each a directory with adapter_config.json), max_loras, max_lora_rank."""
+    if raw is None:
+        return LoRAConfig()
+    section = _section(LoRAConfig, raw, "lora", problems)
+    if section is None:
+        return LoRAConfig()
+    adapters = section.adapters
+    if not isinstance(adapters, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items()):
+        problems.append("lora.adapters: must map adapter names to adapter directories ({NAME: PATH})")
+        return LoRAConfig()
+    for name, path in adapters.items():
+        if not (Path(path) / "adapter_config.json").is_file():
+            problems.append(
+                f"lora.adapters.{name}: {path!r} is not a PEFT adapter directory (no adapter_config.json)"
+                + _relative_note(path)
+            )
+    for key in ("max_loras", "max_lora_rank"):
+        value = getattr(section, key)
+        if value is not None and value < 1:
+            problems.append(f"lora.{key}: must be an integer >= 1 or null, got {value!r}")
+    return section
 
 
 def _relative_note(path: str) -> str:
@@ -378,7 +459,7 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
     if not names:
         problems.append(f"input.path: {inp.path!r} holds no rows (the input is empty)")
         return
-    for key in ("prompt_column", "messages_column", "id_column", "params_column"):
+    for key in ("prompt_column", "messages_column", "id_column", "params_column", "lora_column"):
         col = getattr(inp, key)
         if col and col not in names:
             problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")

@@ -20,7 +20,7 @@ from batchgen.job.config import JobConfig
 from batchgen.job.rows import Request, RowCodec
 from batchgen.job.sink import output_schema, rows_table
 from batchgen.outputs import RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
 
 # Batches an actor works on at once: while one batch's last rows finish, the next one's fill the engine.
 CALLS_PER_REPLICA = 2
@@ -41,9 +41,10 @@ class EngineLoop:
         self._thread.start()
 
     def run(
-        self, requests: Sequence[tuple[str, list[int], SamplingParams | BeamSearchParams]]
+        self, requests: Sequence[tuple[str, list[int], SamplingParams | BeamSearchParams, LoRARequest | None]]
     ) -> dict[str, RequestOutput | str]:
-        """Outputs by request id; a request the engine refused or gave up on maps to its error text."""
+        """Outputs by request id (requests: id, token ids, parameters, adapter); a request the engine
+        refused or gave up on maps to its error text."""
         results: dict[str, RequestOutput | str] = {}
         if not requests:
             return results
@@ -77,10 +78,10 @@ class EngineLoop:
                     call, requests, results, done = item
                     events[call] = done
                     pending[call] = 0
-                    for rid, ids, params in requests:
+                    for rid, ids, params, lora in requests:
                         eid = f"{call}:{rid}"
                         try:
-                            engine.add_request(eid, ids, params)
+                            engine.add_request(eid, ids, params, lora)
                         except ValueError as e:
                             results[rid] = str(e)
                             continue
@@ -120,13 +121,14 @@ class EngineReplica:
     def __init__(self, cfg: JobConfig, openai_in: bool = False, id_key: str | None = None) -> None:
         import torch
 
-        from batchgen.config import EngineConfig
         from batchgen.engine.engine import LLMEngine
 
         torch.set_num_threads(max(1, int(cfg.ray.cpus_per_replica)))
         self.cfg = cfg
         self.id_key = id_key
-        self.engine = LLMEngine(EngineConfig.from_kwargs(cfg.model, **cfg.engine))
+        self.engine = LLMEngine(cfg.engine_config())
+        for lora in cfg.lora.requests().values():  # every adapter read and checked before any row
+            self.engine.add_lora(lora)
         self.tokenizer = self.engine.tokenizer
         self.codec = RowCodec(cfg, openai_in)
         self.loop = EngineLoop(self.engine)
@@ -148,9 +150,10 @@ class EngineReplica:
             prompts.append(r.token_ids)
             params.append(r.params)
         by_prefix = self.engine.cfg.admission_order == "prefix"
-        add, duplicates = admission_plan(prompts, params, self.engine.block_size, by_prefix)
+        lora_ids = [r.lora_id for r in valid]
+        add, duplicates = admission_plan(prompts, params, self.engine.block_size, by_prefix, lora_ids)
         copies = {valid[i].rid: valid[j].rid for i, j in duplicates.items()}
-        results = self.loop.run([(valid[i].rid, prompts[i], params[i]) for i in add])
+        results = self.loop.run([(valid[i].rid, prompts[i], params[i], valid[i].lora) for i in add])
         self.rows_deduplicated += len(copies)
         out_rows = []
         for r in requests:

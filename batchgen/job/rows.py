@@ -13,7 +13,7 @@ from batchgen.engine.sampler import splitmix64
 from batchgen.job.config import JobConfig
 from batchgen.job.sink import as_text, duplicate_id_error, row_identity
 from batchgen.outputs import RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
 
 
 @dataclass
@@ -24,6 +24,11 @@ class Request:
     params: SamplingParams | BeamSearchParams | None = None
     error: str | None = None
     chat: bool = False
+    lora: LoRARequest | None = None  # the row's adapter (``input.lora_column``)
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora is None else self.lora.lora_int_id
 
 
 def input_row_id(row: dict[str, Any], key: str | None, position: int) -> str:
@@ -94,6 +99,7 @@ class RowCodec:
     def __init__(self, cfg: JobConfig, openai_in: bool) -> None:
         self.cfg = cfg
         self.openai_in = openai_in
+        self.loras = cfg.lora.requests()
 
     def build(
         self, tokenizer, row: dict[str, Any], rid: str, compile_grammar: Callable[[Any], None] | None = None
@@ -169,6 +175,9 @@ class RowCodec:
                 req.token_ids = tokenizer(prompt)["input_ids"]
             if not isinstance(req.token_ids, list) or not all(isinstance(t, int) for t in req.token_ids):
                 raise ValueError("did not tokenize to one list of token ids")
+            if inp.lora_column and not self.openai_in:
+                field = inp.lora_column
+                req.lora = self._adapter(row.get(inp.lora_column))
             field = params_field
             params = self.cfg.params(overrides)
             if isinstance(params, SamplingParams) and (params.seed is None or "seed" not in overrides):
@@ -182,6 +191,16 @@ class RowCodec:
             req.error = message if message.startswith(field) else f"{field}: {message}"
             req.token_ids = None
         return req
+
+    def _adapter(self, name: Any) -> LoRARequest | None:
+        """A row's adapter by name (null: the base model)."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise ValueError(f"must name an adapter (text) or be null, got {type(name).__name__}")
+        if name not in self.loras:
+            raise ValueError(f"unknown adapter {name!r} (lora.adapters: {', '.join(sorted(self.loras))})")
+        return self.loras[name]
 
     def row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
         if self.cfg.output.format == "openai":

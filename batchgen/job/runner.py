@@ -26,7 +26,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from batchgen.config import EngineConfig
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
@@ -241,7 +240,9 @@ class JobRunner:
         total = self._count_input_rows()
         if total is not None and len(done) >= total:
             return self._nothing_to_do(sink, total, len(done))
-        engine = self._engine or LLMEngine(EngineConfig.from_kwargs(self.cfg.model, **self.cfg.engine))
+        engine = self._engine or LLMEngine(self.cfg.engine_config())
+        for lora in self.cfg.lora.requests().values():  # every adapter read and checked before any row
+            engine.add_lora(lora)
         # From here on a signal only stops the loop, and the reader and writer threads are always
         # stopped and joined before the job returns: a daemon thread still inside pyarrow or the
         # tokenizer when the interpreter exits can abort the process (SIGABRT, not 128 + signal).
@@ -435,12 +436,12 @@ class _MainLoop:
             item = self.window.pop()
             ids, params = item.token_ids, item.params
             assert ids is not None and params is not None  # built without error
-            key = duplicate_key(ids, params) if self.by_prefix else None
+            key = duplicate_key(ids, params, item.lora_id) if self.by_prefix else None
             if key is not None and key in self.leaders:  # computed once, copied at the end
                 self.followers[self.leaders[key]].append(item)
                 continue
             try:
-                self.engine.add_request(item.rid, ids, params)
+                self.engine.add_request(item.rid, ids, params, item.lora)
             except ValueError as e:
                 self._fail(item, str(e))
                 continue

@@ -24,6 +24,7 @@ from batchgen.model.families import family_of
 from batchgen.model.layers import ACTIVATIONS, Rotary, add_rms_norm, apply_rotary, rms_norm
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.loader import ModelLoadError, iter_weights
+from batchgen.model.lora import LoRABatch
 from batchgen.model.moe import (
     Expert,
     MoE,
@@ -43,7 +44,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     attn: LayerAttention
     rotary: Rotary
-    mlp: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[..., torch.Tensor]  # (x) for a MoE; (x, lora=None) for a dense MLP
 
 
 class _Weights:
@@ -112,6 +113,7 @@ class DecoderModel:
         self.linears: list[Linear] = []  # every projection, expert and router, and the LM head
         self._backends = backends_for(linear_backend, device, dtype)
         self._strict = linear_backend in ("cpu", "onednn")
+        self.gate_up_fused = False  # the checkpoint stores gate_up_proj (Phi-3)
         self._load(model_dir)
         self._moe_blocks = [lw.mlp for lw in self.layers if isinstance(lw.mlp, MoE)]
         # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
@@ -209,6 +211,7 @@ class DecoderModel:
     ) -> Expert:
         """``gated``: the unit is SiLU's, so the kernel may compute it in the gate_up GEMM."""
         if w.has(p + "gate_up_proj.weight"):  # Phi-3
+            self.gate_up_fused = True
             gate_up = w.take(p + "gate_up_proj.weight")
         else:
             gate_up = torch.cat([w.take(p + names[0] + ".weight"), w.take(p + names[1] + ".weight")]).contiguous()
@@ -287,6 +290,11 @@ class DecoderModel:
         )
 
     @property
+    def linear_backends(self) -> list[str]:
+        """The backends each linear layer tries (``linear.backends_for``)."""
+        return self._backends
+
+    @property
     def is_moe(self) -> bool:
         return bool(self._moe_blocks)
 
@@ -314,6 +322,7 @@ class DecoderModel:
         meta: AttentionMetadata,
         backend: AttentionBackend,
         rope_lengths: torch.Tensor | None = None,  # [T] the length LongRoPE sees (see ``Rotary``)
+        lora: LoRABatch | None = None,  # the rows' LoRA adapters (``lora.py``)
     ) -> torch.Tensor:
         """Hidden states after the final norm for every token of the flattened batch."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -332,6 +341,8 @@ class DecoderModel:
             else:
                 normed, residual = self._add_norm(delta, residual, attn_in)
             qkv = lw.qkv(normed)
+            if lora is not None:
+                qkv = lora.apply(i, "qkv", normed, qkv)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = qkv[:, : h * d], qkv[:, h * d : (h + kvh) * d]
@@ -345,9 +356,17 @@ class DecoderModel:
                 qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
                 q, k = qk[:, :h], qk[:, h:]
             o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, lw.attn)
-            delta = self._norm(lw.o_proj(o.reshape(t, h * d)), attn_out)
+            o = o.reshape(t, h * d)
+            attn = lw.o_proj(o)
+            if lora is not None:
+                attn = lora.apply(i, "o", o, attn)
+            delta = self._norm(attn, attn_out)
             normed, residual = self._add_norm(delta, residual, mlp_in)
-            delta = self._norm(lw.mlp(normed), mlp_out)
+            if lora is not None and not isinstance(lw.mlp, MoE):
+                mlp = lw.mlp(normed, lora=lora.layer(i))
+            else:
+                mlp = lw.mlp(normed)
+            delta = self._norm(mlp, mlp_out)
         if delta is None:
             return self._norm(x, self.norm)
         return self._add_norm(delta, residual, self.norm)[0]

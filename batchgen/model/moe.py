@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from batchgen.model.layers import fused_cpu_ops
 from batchgen.model.linear import Linear
+from batchgen.model.lora import LayerLoRA
 from batchgen_kernels.cpu_gemm import PackedExperts
 
 
@@ -33,8 +34,15 @@ class Expert:
         fused = self.gate_up.silu_mul(x)
         return unit(self.gate_up(x)) if fused is None else fused
 
-    def __call__(self, x: torch.Tensor, unit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return self.down(self.hidden(x, unit))
+    def __call__(
+        self, x: torch.Tensor, unit: Callable[[torch.Tensor], torch.Tensor], lora: LayerLoRA | None = None
+    ) -> torch.Tensor:
+        """``down(unit(gate_up(x)))``; ``lora``: the rows' adapters of this layer (a dense MLP), added
+        to each projection's output."""
+        if lora is None:
+            return self.down(self.hidden(x, unit))
+        hidden = unit(lora.apply("gate_up", x, self.gate_up(x))) if lora.has("gate_up") else self.hidden(x, unit)
+        return lora.apply("down", hidden, self.down(hidden))
 
 
 def softmax_then_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from batchgen.model.attention import (
 from batchgen.model.decoder import DecoderModel
 from batchgen.model.graphs import DecodeGraphs, HostStaging
 from batchgen.model.layers import fused_cpu_ops
+from batchgen.model.lora import LoRAManager
 from batchgen.model.malloc import keep_freed_memory
 from batchgen.step import Chunk, CopyPair, StepBatch, StepResult
 from batchgen.utils import cdiv
@@ -104,6 +105,12 @@ class ModelRunner:
             CacheShape(self.dtype, m.num_heads, m.num_kv_heads, m.head_dim, cfg.block_size),
         )
         self.times = RunnerTimes()
+        # LoRA adapters (``enable_lora``): on the Triton kernels where attention runs on Triton
+        self.lora: LoRAManager | None = None
+        if cfg.enable_lora:
+            self.lora = LoRAManager(
+                m, cfg.max_loras, cfg.max_lora_rank, m.linear_backends, triton=not isinstance(self.backend, TorchAttention)
+            )
         # The Triton backend reads the batch per token; the torch backend per decode group / prefill.
         self.per_token_layout = not isinstance(self.backend, TorchAttention)
         # Decode rows sharing leading blocks attend as one group (not with sliding windows: a group's
@@ -232,7 +239,7 @@ class ModelRunner:
         self.apply_block_ops(batch)
         t1 = time.perf_counter()
         lay = self._layout(batch.chunks)
-        plain = all(s.samples and not s.all_logits for s in lay.order)
+        plain = all(s.samples and not s.all_logits and not s.lora_id for s in lay.order)
         if self.graphs is not None and lay.num_decode == len(lay.order) and plain:
             t2 = time.perf_counter()
             logits = self.graphs.run(lay.ids, lay.positions, lay.slots, lay.tables)
@@ -247,13 +254,17 @@ class ModelRunner:
         if self.model.long_rope_after is not None:  # LongRoPE: see ``Rotary``
             lengths = np.fromiter((s.seq_len for s in lay.order), dtype=np.int64, count=len(lay.order))
             rope_lengths = torch.from_numpy(lengths[lay.seq_of_token]).to(self.device)
+        lora = None
+        if self.lora is not None:
+            adapters = np.fromiter((s.lora_id for s in lay.order), dtype=np.int64, count=len(lay.order))
+            lora = self.lora.batch(adapters[lay.seq_of_token])
         # Last token of each sampling sequence, in the caller's order.
         row_of = {id(s): i for i, s in enumerate(lay.order)}
         last = [int(lay.cu[row_of[id(s)] + 1]) - 1 for s in batch.chunks if s.samples]
         t2 = time.perf_counter()
         attention_before = self.backend.seconds
         experts_before = self.model.expert_seconds()
-        hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend, rope_lengths)
+        hidden = self.model.forward(input_ids, pos_t, self.kv_cache, meta, self.backend, rope_lengths, lora)
         self._sync()
         t3 = time.perf_counter()
         dev = self.device
@@ -282,7 +293,11 @@ class ModelRunner:
         """The flattened batch in numpy: decode chunks first, then prefill chunks; each token's
         position and KV slot, the padded block tables."""
         decode = [s for s in chunks if s.num_new_tokens == 1]
-        order = decode + [s for s in chunks if s.num_new_tokens != 1]
+        prefill = [s for s in chunks if s.num_new_tokens != 1]
+        if self.lora is not None:  # the rows of one adapter contiguous (``LoRABatch.segments``)
+            decode.sort(key=lambda s: s.lora_id)
+            prefill.sort(key=lambda s: s.lora_id)
+        order = decode + prefill
         bs = self.block_size
         lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=len(order))
         starts = np.fromiter((s.start for s in order), dtype=np.int64, count=len(order))

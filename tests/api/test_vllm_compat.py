@@ -291,8 +291,8 @@ def test_vllm_keywords_ignored_warned_refused(llama_dir, recwarn):
         LLM(llama_dir, num_kv_blocks=16, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"unknown engine setting 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):
         LLM(llama_dir, max_num_seq=4)
-    with pytest.raises(ValueError, match="enable_lora=True"):
-        LLM(llama_dir, enable_lora=True)
+    with pytest.raises(ValueError, match="engine setting max_loras must be an integer >= 1"):
+        LLM(llama_dir, enable_lora=True, max_loras=0)
     with pytest.raises(ValueError, match="already queued or running"):
         engine = LLM(llama_dir, num_kv_blocks=16).engine
         engine.add_request("a", "hello", GREEDY)
