@@ -1,7 +1,7 @@
 """Benchmarks of docs/benchmarks.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D M R J J-FREE A] [--model models/bench-56m] [--moe-model models/bench-moe]
+    python scripts/bench.py [S B P D M R J J-FREE A Q] [--model models/bench-56m] [--moe-model models/bench-moe]
                             [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
                             [--engine-setting K=V] [--repeat N]
@@ -22,6 +22,10 @@ seven projections (``batchgen.tiny.make_adapter``, built beside the model), in o
 batchgen on the base model (the same rows, no adapters), against the four adapters one after
 another (one call each, generation time only), and against transformers + peft with the rows of
 one adapter batched together (needs ``peft``).
+
+Workload Q runs R's requests on bench-deep quantized into each format (``batchgen.tiny_quant``:
+GPTQ and AWQ int4, compressed-tensors int4, int8, W8A8 and FP8, groups of 64) against batchgen in
+bfloat16 on the same model, in one run: tokens/s, peak RSS and the path each projection took.
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's. ``--repeat N`` runs each side N
@@ -99,12 +103,12 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
         out.append(n_best("S", rng, "n-best sampling n=8"))
     if "A" in names:  # S's very prompts, round-robin over four LoRA adapters
         out.append(n_best("A", np.random.default_rng(0), "S's requests over 4 rank-16 LoRA adapters"))
-    if "R" in names:  # 32 prompts of 32-256 tokens, n=4, on the deep narrow model
+    for name in [x for x in ("R", "Q") if x in names]:  # 32 prompts of 32-256 tokens, n=4, deep narrow model
         generator = np.random.default_rng(3)
         lens = generator.integers(32, 257, size=32)
         out.append(
             Workload(
-                "R",
+                name,
                 [generator.integers(VOCAB_LOW, vocab_deep, size=int(n)).tolist() for n in lens],
                 "sample",
                 [64] * 32,
@@ -321,6 +325,71 @@ def bench_lora(model_dir: str, w: Workload, threads: int, repeat: int, skip_base
         "mixed_over_sequential": mixed / med["sequential"]["tokens_per_s"],
         "stats": st,
     }
+
+
+QUANT_FORMATS = {
+    "gptq-int4": ("gptq", {"bits": 4, "group": 64}),
+    "awq-int4": ("awq", {"group": 64, "sym": False}),
+    "ct-int4": ("ct-int4", {"group": 64}),
+    "ct-int8": ("ct-int8", {"group": -1}),
+    "ct-w8a8": ("ct-w8a8", {}),
+    "ct-fp8": ("ct-fp8", {"per_channel": True}),
+}
+
+
+def weight_bytes(llm) -> int:
+    """Bytes of every CPU tensor alive but the KV pools: the model's weights (and packed copies)."""
+    import gc
+
+    runner = llm.engine.runner
+    pools = {t.untyped_storage().data_ptr() for t in (runner.kv_cache, runner.host_cache) if t is not None}
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            st = obj.untyped_storage()
+            if st.data_ptr() not in pools:
+                storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def run_batchgen_plain(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
+    """Workload Q's runs: ``run_batchgen`` plus the weights' bytes and the projections' paths."""
+    import batchgen.llm
+
+    made = []
+    original = batchgen.llm.LLM.__init__
+
+    def keep(self, *a, **k):  # the run's LLM, to count its weights after the run
+        original(self, *a, **k)
+        made.append(self)
+
+    batchgen.llm.LLM.__init__ = keep
+    r = run_batchgen(model_dir, w, threads, None, dtype)
+    return {**r, "paths": r["stats"]["quantized_paths"] or "dense", "weight_mib": weight_bytes(made[0]) / 2**20}
+
+
+def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
+    from batchgen.tiny_quant import quantize_model
+
+    rows = {"bf16": in_fresh_process(run_batchgen_plain, model_dir, w, threads, dtype)}
+    print(f"    bf16               {rows['bf16']['tokens_per_s']:8.1f} tok/s, weights {rows['bf16']['weight_mib']:.0f} MiB, "
+          f"peak RSS {rows['bf16']['peak_rss_mib']:.0f} MiB", flush=True)
+    for name, (fmt, opts) in QUANT_FORMATS.items():
+        path = f"{model_dir}-{name}"
+        if not (Path(path) / "config.json").exists():
+            print(f"    quantizing into {path} ...", flush=True)
+            quantize_model(model_dir, path, fmt, **opts)
+        rows[name] = in_fresh_process(run_batchgen_plain, path, w, threads, dtype)
+        r = rows[name]
+        print(f"    {name:<18} {r['tokens_per_s']:8.1f} tok/s, weights {r['weight_mib']:.0f} MiB, "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['paths']})", flush=True)
+    base = rows["bf16"]
+    print(f"\n| workload Q ({dtype} activations) | tok/s | over bf16 | weights MiB | over bf16 | peak RSS MiB | paths |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+              f"{r['weight_mib']:.0f} | {r['weight_mib'] / base['weight_mib']:.2f}x | {r['peak_rss_mib']:.0f} | {r['paths']} |")
+    return {"workload": "Q", "results": {k: {kk: v for kk, v in r.items() if kk != "stats"} for k, r in rows.items()}}
 
 
 def useful_tokens(w: Workload) -> int:
@@ -578,7 +647,7 @@ def main() -> None:
     for path, make, wanted in (
         (args.model, make_bench_model, set(names) - {"M", "R", "L"}),
         (args.moe_model, make_bench_moe_model, {"M"} & set(names)),
-        (args.deep_model, make_bench_deep_model, {"R"} & set(names)),
+        (args.deep_model, make_bench_deep_model, {"R", "Q"} & set(names)),
         (args.long_model, lambda p: make_bench_model(p, max_positions=32768), {"L"} & set(names)),
     ):
         if wanted and not (Path(path) / "config.json").exists():
@@ -600,7 +669,7 @@ def main() -> None:
     # bench-56m, its 32k variant and the MoE model share one vocabulary: read it from the one built
     built = [p for p in (args.model, args.long_model, args.moe_model) if (Path(p) / "config.json").exists()]
     vocab = AutoConfig.from_pretrained(built[0]).vocab_size if built else 0  # 0: only R, which has its own
-    vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if "R" in names else 49152
+    vocab_deep = AutoConfig.from_pretrained(args.deep_model).vocab_size if {"R", "Q"} & set(names) else 49152
     rows = []
     workloads = make_workloads(vocab, names, vocab_deep)
     # L last: workloads that ran right after its transformers side (a 3 GB process) came out 35-40%
@@ -610,7 +679,10 @@ def main() -> None:
     for w in [w for w in workloads if w.name == "A"]:
         print(f"workload A: {w.notes}, {len(w.prompts)} prompts ({args.model})", flush=True)
         lora_rows.append(bench_lora(args.model, w, args.threads, args.repeat, args.skip_baseline, args.dtype))
-    workloads = [w for w in workloads if w.name != "A"]
+    for w in [w for w in workloads if w.name == "Q"]:
+        print(f"workload Q: R's requests on {args.deep_model} in each quantized format", flush=True)
+        lora_rows.append(bench_quant(args.deep_model, w, args.threads, "bfloat16"))
+    workloads = [w for w in workloads if w.name not in ("A", "Q")]
     if not workloads:
         Path(args.json).write_text(json.dumps({"results": lora_rows}, indent=2, default=str))
         print(f"wrote {args.json}")

@@ -25,6 +25,7 @@ from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
 from batchgen.engine.structured import StructuredOutputs, allow_only
 from batchgen.model.loader import load_config, load_tokenizer
+from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
@@ -615,6 +616,18 @@ class LLMEngine:
             "lm_head_s": tm.lm_head,
             **(self._structured.stats() if self._structured is not None else StructuredOutputs.no_stats()),
             **self._lora_stats(),
+            **self._quant_stats(),
+        }
+
+    def _quant_stats(self) -> dict[str, str]:
+        """The checkpoint's quantization and how many projections took each path (``quant.py``)."""
+        model = self.runner.model
+        if model.quant is None:
+            return {"quantization": model.quant_method or "none", "quantized_paths": ""}
+        counts = path_counts(model.linears)
+        return {
+            "quantization": model.quant.method,
+            "quantized_paths": ", ".join(f"{path} x {n}" for path, n in sorted(counts.items())),
         }
 
     def _lora_stats(self) -> dict[str, int]:

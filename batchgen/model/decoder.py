@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from batchgen.model.moe import (
     softmax_then_topk,
     topk_then_softmax,
 )
+from batchgen.model.quant import ConcatLinear, QuantError, QuantFormat, QuantLinear, QWeight
 
 
 @dataclass
@@ -99,22 +101,28 @@ class DecoderModel:
             raise ModelLoadError("use_bidirectional_attention=True (an embedding model) cannot generate")
         quant = getattr(c, "quantization_config", None)
         self.quant_method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        if self.quant_method not in (None, "mxfp4") or (self.quant_method and self.family.moe != "gpt_oss"):
-            raise ModelLoadError(
-                f"quantization {self.quant_method!r} is not supported (only gpt-oss's MXFP4 experts, "
-                "dequantized at load); use an unquantized checkpoint"
-            )
+        if self.quant_method == "mxfp4" and self.family.moe != "gpt_oss":
+            raise ModelLoadError("quantization 'mxfp4' is supported on gpt-oss's experts only")
+        try:
+            self.quant = QuantFormat.of(quant)  # GPTQ, AWQ, compressed-tensors: kept quantized (quant.py)
+        except QuantError as e:
+            raise ModelLoadError(str(e)) from None
         act_name = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")
         if act_name not in ACTIVATIONS:
             raise ModelLoadError(f"unsupported activation {act_name!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act_name]
         self._max_positions = max_positions
         self._rotaries: dict[str | None, Rotary] = {}
-        self.linears: list[Linear] = []  # every projection, expert and router, and the LM head
+        self.linears: list = []  # every projection, expert and router, and the LM head (Linear or quantized)
         self._backends = backends_for(linear_backend, device, dtype)
         self._strict = linear_backend in ("cpu", "onednn")
         self.gate_up_fused = False  # the checkpoint stores gate_up_proj (Phi-3)
         self._load(model_dir)
+        if self.quant is not None and not any(hasattr(layer, "path") for layer in self.linears):
+            raise ModelLoadError(
+                f"quantization_config in {model_dir!r} says {self.quant.method}, but no projection is stored "
+                "quantized (e.g. layers.0.self_attn.q_proj.qweight / .weight_packed / .weight_scale)"
+            )
         self._moe_blocks = [lw.mlp for lw in self.layers if isinstance(lw.mlp, MoE)]
         # LongRoPE's switch length: the runner then provides each token's ``rope_lengths``.
         self.long_rope_after = next((r.long_after for r in self._rotaries.values() if r.long_after), None)
@@ -123,6 +131,32 @@ class DecoderModel:
         layer = Linear(weight, bias, backends=self._backends, strict=self._strict, gated=gated)
         self.linears.append(layer)
         return layer
+
+    def _projection(
+        self, w: _Weights, names: list[str], biases: list[torch.Tensor | None] | None = None, gated: bool = False
+    ) -> Any:
+        """The projections ``names`` (tensor names without ``.weight``) as one layer, their outputs
+        stacked in order: quantized ones kept quantized (``quant.py``), others packed (``Linear``)."""
+        biases = biases or [None] * len(names)
+        present = [b for b in biases if b is not None]
+        bias = (torch.cat(present) if len(present) == len(names) else None) if present else None
+        if self.quant is not None and self.quant.is_quantized(w.has, names[0]):
+            try:
+                # copies: a tensor kept as read would keep the checkpoint file's pages mapped
+                parts = [self.quant.read(lambda t: w.raw(t).clone(), w.has, n) for n in names]
+            except QuantError as e:
+                raise ModelLoadError(f"checkpoint in {w.model_dir!r}: {e}") from None
+            fused = QWeight.concat(parts) if len(parts) > 1 else parts[0]
+            layer: Any
+            if fused is not None:
+                layer = QuantLinear(fused, bias, self.device, self.dtype)
+            else:
+                layer = ConcatLinear([QuantLinear(p, b, self.device, self.dtype) for p, b in zip(parts, biases, strict=True)])
+            self.linears.append(layer)
+            return layer
+        weights = [w.take(n + ".weight") for n in names]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
+        return self._linear(weight, bias, gated)
 
     # -- per-layer settings from the config -----------------------------------------------------
     def _layer_types(self) -> list[str | None]:
@@ -172,19 +206,17 @@ class DecoderModel:
             p = f"layers.{i}."
             a = p + "self_attn."
             if fam.qkv_fused:
-                qkv_weight = w.take(a + "qkv_proj.weight")
-                qkv_bias = w.optional(a + "qkv_proj.bias")
+                qkv = self._projection(w, [a + "qkv_proj"], [w.optional(a + "qkv_proj.bias")])
             else:
-                qkv_weight = torch.cat([w.take(a + f"{x}_proj.weight") for x in "qkv"]).contiguous()
-                biases = [w.optional(a + f"{x}_proj.bias") for x in "qkv"]
-                present = [b for b in biases if b is not None]
-                qkv_bias = torch.cat(present) if len(present) == 3 else None
+                qkv = self._projection(
+                    w, [a + f"{x}_proj" for x in "qkv"], [w.optional(a + f"{x}_proj.bias") for x in "qkv"]
+                )
             sinks = w.raw(a + "sinks").float().to(self.device).contiguous() if fam.sinks else None
             self.layers.append(
                 LayerWeights(
                     norms=tuple(None if n is None else w.take(p + n + ".weight") for n in fam.norms),
-                    qkv=self._linear(qkv_weight, qkv_bias),
-                    o_proj=self._linear(w.take(a + "o_proj.weight"), w.optional(a + "o_proj.bias")),
+                    qkv=qkv,
+                    o_proj=self._projection(w, [a + "o_proj"], [w.optional(a + "o_proj.bias")]),
                     q_norm=w.take(a + "q_norm.weight") if fam.qk_norm else w.optional(a + "q_norm.weight"),
                     k_norm=w.take(a + "k_norm.weight") if fam.qk_norm else w.optional(a + "k_norm.weight"),
                     attn=LayerAttention(scale, windows[i], softcap, sinks),
@@ -193,8 +225,8 @@ class DecoderModel:
                 )
             )
         self.norm = w.take("norm.weight")
-        if w.has("lm_head.weight"):
-            self.lm_head = self._linear(w.take("lm_head.weight"))
+        if w.has("lm_head.weight") or self.quant is not None and self.quant.is_quantized(w.has, "lm_head"):
+            self.lm_head = self._projection(w, ["lm_head"])
         elif getattr(c, "tie_word_embeddings", False):
             self.lm_head = self._linear(self.embed)
         else:
@@ -210,12 +242,13 @@ class DecoderModel:
         self, w: _Weights, p: str, names=("gate_proj", "up_proj", "down_proj"), gated: bool = False
     ) -> Expert:
         """``gated``: the unit is SiLU's, so the kernel may compute it in the gate_up GEMM."""
-        if w.has(p + "gate_up_proj.weight"):  # Phi-3
+        fused = p + "gate_up_proj"
+        if w.has(fused + ".weight") or self.quant is not None and self.quant.is_quantized(w.has, fused):  # Phi-3
             self.gate_up_fused = True
-            gate_up = w.take(p + "gate_up_proj.weight")
+            gate_up = self._projection(w, [fused], gated=gated)
         else:
-            gate_up = torch.cat([w.take(p + names[0] + ".weight"), w.take(p + names[1] + ".weight")]).contiguous()
-        return Expert(self._linear(gate_up, gated=gated), self._linear(w.take(p + names[2] + ".weight")))
+            gate_up = self._projection(w, [p + names[0], p + names[1]], gated=gated)
+        return Expert(gate_up, self._projection(w, [p + names[2]]))
 
     def _moe(self, w: _Weights, p: str) -> MoE:
         c, kind = self.config, self.family.moe

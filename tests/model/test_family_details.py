@@ -146,9 +146,13 @@ def test_what_is_not_supported_is_named(tmp_path, llama_dir):
         LLM(str(odd))
     assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
     config["architectures"] = ["LlamaForCausalLM"]
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (odd / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="quantization 'gptq' is not supported"):
+    with pytest.raises(ModelLoadError, match="quantization 'bitsandbytes' is not supported"):
+        LLM(str(odd))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}  # but dense tensors
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="says gptq, but no projection is stored quantized"):
         LLM(str(odd))
     bidirectional = make_model(tmp_path / "g3", "gemma3", use_bidirectional_attention=True)
     with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):

@@ -1,0 +1,502 @@
+"""Quantized checkpoints, kept quantized: GPTQ, AWQ (GEMM layout) and compressed-tensors.
+
+``QuantFormat.of(config)`` reads ``quantization_config``; ``QuantFormat.read(weights, name)`` reads one
+projection's tensors in its format's layout into one canonical form, ``QWeight``: integer values
+``q`` [out, in] with ``w = (q - zero) * scale`` per output row and group of ``group`` inputs (groups
+in input order after ``perm``: GPTQ's ``desc_act`` reorders inputs), or FP8 values with a per-tensor
+or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
+
+- 4 bits: torch's CPU int4 GEMM (``torch._weight_int4pack_mm_for_cpu``; the weights in its packed
+  layout, half a byte each, groups of 32 / 64 / 128 / 256, dequantized inside the GEMM);
+- 8 bits, one symmetric scale per row: ``torch._weight_int8pack_mm`` (int8 weights widened in the GEMM);
+- W8A8 (compressed-tensors ``int-quantized`` with dynamic per-token activations): activations
+  rounded to their per-token int8 grid inside the step, then the int8 GEMM above (``torch._int_mm``,
+  the int8 x int8 GEMM, kept a weight-sized buffer per layer on the CPU: twice the memory);
+- anything else (other group sizes, 8-bit groups, FP8 weights, a device without those ops): the
+  reference path, which keeps the weights quantized and widens them for each call.
+
+``QuantLinear.path`` says which one a layer took (``LLM.stats()["quantized_paths"]``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# AWQ's GEMM layout stores the 8 values of an int32 in this column order (AutoAWQ's pack order)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_INT4_GROUPS = (32, 64, 128, 256)
+GPTQ_V1_ZERO_OFFSET = 1  # GPTQ's v1 layout stores each zero point minus one
+
+
+class QuantError(ValueError):
+    """A quantized checkpoint that cannot be used; the message names the field or tensor."""
+
+
+@dataclass
+class QWeight:
+    """One projection's quantized weight in canonical form (see the module docstring)."""
+
+    kind: str  # "int" | "fp8"
+    bits: int
+    q: torch.Tensor  # int: uint8 / int8 values [out, in] (after ``perm``); fp8: float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [out, groups] (fp8: [out, 1] or [1, 1])
+    zero: torch.Tensor | None  # float32 [out, groups] in q's units, None = 0
+    group: int  # inputs per group (the input width for one group per row)
+    perm: torch.Tensor | None = None  # input channel order (x[:, perm]) that makes groups contiguous
+    activations: str | None = None  # "int8-token": activations quantized per token (W8A8)
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in] in the checkpoint's input order."""
+        if self.kind == "fp8":
+            w = self.q.float() * self.scale
+        else:
+            s = self.scale.repeat_interleave(self.group, dim=1)
+            w = self.q.float() if self.zero is None else self.q.float() - self.zero.repeat_interleave(self.group, dim=1)
+            w = w * s
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
+
+    @staticmethod
+    def concat(parts: list[QWeight]) -> QWeight | None:
+        """The parts stacked along the output (q/k/v, gate/up) where they share a layout; None otherwise."""
+        a = parts[0]
+        for p in parts[1:]:
+            if (p.kind, p.bits, p.group, p.activations, p.zero is None) != (
+                a.kind, a.bits, a.group, a.activations, a.zero is None
+            ) or p.perm is not None or a.perm is not None or p.scale.shape[1] != a.scale.shape[1]:
+                return None
+        zero = None if a.zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
+        return replace(a, q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]), zero=zero)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] holding 32/bits values each along the rows (value k at bits k*bits..) -> [R*32/bits, C]."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = ((packed.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)).to(torch.uint8)
+    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] holding 32/bits values each along the columns -> [R, C*32/bits]; ``order``: the
+    column each of an int32's values belongs to (AWQ), else in place."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)  # [R, C, per]: value k at bits k*bits
+    if order is not None:
+        vals = vals[..., torch.tensor([order.index(c) for c in range(per)])]
+    return vals.reshape(packed.shape[0], packed.shape[1] * per)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A checkpoint's quantization: ``method`` gptq | awq | compressed-tensors and its settings."""
+
+    method: str
+    bits: int = 4
+    group: int = 128  # -1: one group per row
+    sym: bool = True
+    desc_act: bool = False
+    zero_plus_one: bool = True  # GPTQ v1: stored zeros are one less than the real ones
+    ct_format: str | None = None  # compressed-tensors: pack-quantized | int-quantized | float-quantized
+    activations: str | None = None
+    ignore: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: Any) -> QuantFormat | None:
+        """The format of a ``quantization_config`` (dict or object); None for MXFP4 (handled by the
+        gpt-oss experts) or no config; ``QuantError`` for what is not supported."""
+        if config is None:
+            return None
+        c = config if isinstance(config, dict) else config.to_dict()
+        method = c.get("quant_method")
+        if method in (None, "mxfp4"):
+            return None
+        if method == "gptq":
+            bits = c.get("bits")
+            if bits not in (4, 8):
+                raise QuantError(f"quantization_config.bits={bits!r}: GPTQ checkpoints of 4 or 8 bits are supported")
+            fmt = c.get("checkpoint_format", "gptq")
+            if fmt not in ("gptq", "gptq_v2"):
+                raise QuantError(f"quantization_config.checkpoint_format={fmt!r}: gptq or gptq_v2 are supported")
+            return cls("gptq", bits, int(c.get("group_size", 128)), bool(c.get("sym", True)),
+                       bool(c.get("desc_act", False)), zero_plus_one=fmt == "gptq")
+        if method == "awq":
+            if c.get("bits", 4) != 4:
+                raise QuantError(f"quantization_config.bits={c.get('bits')!r}: AWQ checkpoints of 4 bits are supported")
+            version = str(c.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise QuantError(f"quantization_config.version={version!r}: AWQ's GEMM layout is supported")
+            if not c.get("zero_point", True):
+                raise QuantError("quantization_config.zero_point=false: AWQ with zero points is supported")
+            return cls("awq", 4, int(c.get("group_size", 128)), sym=False)
+        if method == "compressed-tensors":
+            return cls._compressed_tensors(c)
+        raise QuantError(
+            f"quantization {method!r} is not supported; supported: gptq, awq, compressed-tensors, "
+            "and gpt-oss's mxfp4 experts"
+        )
+
+    @classmethod
+    def _compressed_tensors(cls, c: dict) -> QuantFormat:
+        fmt = c.get("format")
+        groups = c.get("config_groups") or {}
+        if len(groups) != 1:
+            raise QuantError(f"quantization_config.config_groups: one group is supported, got {len(groups)}")
+        (name, group), = groups.items()
+        targets = group.get("targets") or []
+        if targets != ["Linear"]:
+            raise QuantError(f"quantization_config.config_groups.{name}.targets={targets!r}: ['Linear'] is supported")
+        wts = group.get("weights") or {}
+        acts = group.get("input_activations")
+        bits, kind, strategy = wts.get("num_bits"), wts.get("type"), wts.get("strategy")
+        where = f"quantization_config.config_groups.{name}.weights"
+        if strategy not in ("channel", "group", "tensor"):
+            raise QuantError(f"{where}.strategy={strategy!r}: channel, group or tensor is supported")
+        group_size = int(wts.get("group_size") or -1) if strategy == "group" else -1
+        activations = None
+        if fmt == "pack-quantized":
+            if kind != "int" or bits not in (4, 8) or acts:
+                raise QuantError(f"{where}: pack-quantized int4 / int8 weight-only is supported ({kind} {bits} bits)")
+        elif fmt == "int-quantized":
+            if kind != "int" or bits != 8:
+                raise QuantError(f"{where}: int-quantized 8-bit integers are supported ({kind} {bits} bits)")
+            if acts:
+                if not (acts.get("type") == "int" and acts.get("num_bits") == 8 and acts.get("dynamic")
+                        and acts.get("strategy") == "token" and acts.get("symmetric", True)):
+                    raise QuantError(
+                        f"quantization_config.config_groups.{name}.input_activations: dynamic symmetric "
+                        f"per-token int8 is supported, got {acts}"
+                    )
+                activations = "int8-token"
+        elif fmt == "float-quantized":
+            if kind != "float" or bits != 8 or strategy == "group":
+                raise QuantError(f"{where}: FP8 (float, 8 bits) per tensor or per channel is supported")
+        else:
+            raise QuantError(
+                f"quantization_config.format={fmt!r}: pack-quantized, int-quantized or float-quantized is supported"
+            )
+        return cls("compressed-tensors", int(bits), group_size, bool(wts.get("symmetric", True)),
+                   ct_format=fmt, activations=activations, ignore=tuple(c.get("ignore") or ()))
+
+    # -- reading one projection ------------------------------------------------------------------
+    def is_quantized(self, has, name: str) -> bool:
+        """Whether the projection ``name`` (``layers.0.self_attn.q_proj``) is stored quantized."""
+        if self.method in ("gptq", "awq"):
+            return has(name + ".qweight")
+        return has(name + ".weight_packed") or has(name + ".weight_scale")
+
+    def read(self, raw, has, name: str) -> QWeight:
+        """``raw(tensor name)`` pops a checkpoint tensor, ``has(name)`` asks for one."""
+        try:
+            if self.method == "gptq":
+                return self._gptq(raw, has, name)
+            if self.method == "awq":
+                return self._awq(raw, name)
+            return self._ct(raw, has, name)
+        except QuantError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise QuantError(f"{name}: the quantized tensors do not fit together ({e})") from None
+
+    def _group(self, name: str, in_features: int, groups: int) -> int:
+        group = in_features if self.group in (-1, 0) else self.group
+        if in_features % group or in_features // group != groups:
+            raise QuantError(
+                f"{name}: {groups} groups of scales for {in_features} inputs do not match group_size {self.group}"
+            )
+        return group
+
+    def _gptq(self, raw, has, name: str) -> QWeight:
+        qweight, qzeros, scales = raw(name + ".qweight"), raw(name + ".qzeros"), raw(name + ".scales")
+        g_idx = raw(name + ".g_idx") if has(name + ".g_idx") else None
+        for t, what in ((qweight, "qweight"), (qzeros, "qzeros")):
+            if t.dtype != torch.int32:
+                raise QuantError(f"{name}.{what}: int32 expected, got {t.dtype}")
+        q = unpack_rows(qweight, self.bits).T.contiguous()  # [out, in]
+        out, inp = q.shape
+        zeros = unpack_cols(qzeros, self.bits)[:, :out]  # [groups, out]
+        if scales.shape != (zeros.shape[0], out):
+            raise QuantError(f"{name}.scales: shape {tuple(scales.shape)}, expected {(zeros.shape[0], out)}")
+        zeros = zeros.int() + GPTQ_V1_ZERO_OFFSET if self.zero_plus_one else zeros.int()
+        groups = scales.shape[0]
+        group = self._group(name, inp, groups)
+        perm = None
+        if g_idx is not None:
+            if g_idx.shape != (inp,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+                raise QuantError(f"{name}.g_idx: {inp} group indices below {groups} expected")
+            if not torch.equal(g_idx.long(), torch.arange(inp) // group):
+                # desc_act: order the inputs by group, so that each group is contiguous
+                perm = torch.argsort(g_idx.long(), stable=True)
+                if not torch.equal(torch.bincount(g_idx.long(), minlength=groups), torch.full((groups,), group)):
+                    raise QuantError(f"{name}.g_idx: every group must hold {group} inputs")
+                q = q[:, perm]
+        return QWeight("int", self.bits, q.contiguous(), scales.float().T.contiguous(),
+                       zeros.float().T.contiguous(), group, perm)
+
+    def _awq(self, raw, name: str) -> QWeight:
+        qweight, qzeros, scales = raw(name + ".qweight"), raw(name + ".qzeros"), raw(name + ".scales")
+        if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+            raise QuantError(f"{name}: AWQ's qweight and qzeros are int32")
+        q = unpack_cols(qweight, 4, AWQ_ORDER).T.contiguous()  # [out, in]
+        zeros = unpack_cols(qzeros, 4, AWQ_ORDER)  # [groups, out]
+        out, inp = q.shape
+        if scales.shape != zeros.shape or scales.shape[1] != out:
+            raise QuantError(f"{name}.scales: shape {tuple(scales.shape)}, expected {tuple(zeros.shape)}")
+        group = self._group(name, inp, scales.shape[0])
+        return QWeight("int", 4, q, scales.float().T.contiguous(), zeros.float().T.contiguous(), group)
+
+    def _ct(self, raw, has, name: str) -> QWeight:
+        scale = raw(name + ".weight_scale").float()
+        zero_point = raw(name + ".weight_zero_point") if has(name + ".weight_zero_point") else None
+        if self.ct_format == "pack-quantized":
+            packed = raw(name + ".weight_packed")
+            shape = raw(name + ".weight_shape").tolist() if has(name + ".weight_shape") else None
+            if packed.dtype != torch.int32:
+                raise QuantError(f"{name}.weight_packed: int32 expected, got {packed.dtype}")
+            q = unpack_cols(packed, self.bits)
+            if shape is not None:
+                if len(shape) != 2 or q.shape[0] != shape[0] or not 0 <= q.shape[1] - shape[1] < 32 // self.bits:
+                    raise QuantError(
+                        f"{name}.weight_packed: {tuple(packed.shape)} int32 of {self.bits}-bit values does not "
+                        f"hold weight_shape {shape}"
+                    )
+                q = q[:, : shape[1]]
+            q = (q.to(torch.int16) - (1 << (self.bits - 1))).to(torch.int8)  # stored with an offset: signed values
+        else:
+            q = raw(name + ".weight")
+            want = torch.int8 if self.ct_format == "int-quantized" else torch.float8_e4m3fn
+            if q.dtype != want:
+                raise QuantError(f"{name}.weight: {want} expected, got {q.dtype}")
+        out, inp = q.shape
+        if scale.dim() == 0 or scale.numel() == 1:
+            scale = scale.reshape(1, 1).expand(out, 1).contiguous()
+        if scale.dim() != 2 or scale.shape[0] != out:
+            raise QuantError(f"{name}.weight_scale: shape {tuple(scale.shape)} does not fit {out} rows")
+        if self.ct_format == "float-quantized":
+            return QWeight("fp8", 8, q.contiguous(), scale, None, inp)
+        group = self._group(name, inp, scale.shape[1])
+        zero = None
+        if zero_point is not None and not self.sym:
+            if zero_point.shape != scale.shape:
+                raise QuantError(f"{name}.weight_zero_point: shape {tuple(zero_point.shape)}, expected {tuple(scale.shape)}")
+            zero = zero_point.float()
+        return QWeight("int", self.bits, q.contiguous(), scale, zero, group, activations=self.activations)
+
+
+class QuantLinear:
+    """``y = x @ dequantize(weight).T + bias`` with the weight kept quantized (see the module
+    docstring); the same calls as ``linear.Linear``."""
+
+    def __init__(
+        self, qw: QWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+        triton: bool | None = None,
+    ) -> None:
+        """``triton``: run on the Triton kernel (``batchgen_kernels.quant_gemm``); default: on CUDA."""
+        self.bias = bias
+        self.dtype, self.device = dtype, device
+        if qw.kind == "int" and qw.zero is not None and bool((qw.zero == 2 ** (qw.bits - 1)).all()):
+            signed = (qw.q.to(torch.int16) - 2 ** (qw.bits - 1)).to(torch.int8)
+            qw = replace(qw, q=signed, zero=None)  # symmetric: signed values
+        self.out_features, self.in_features = qw.out_features, qw.in_features
+        self.perm = None if qw.perm is None else qw.perm.to(device)
+        self.kernel = None  # the compiled GEMM kernel's (never here: MoE's grouped call needs it)
+        self.path = "reference"
+        self._fast: Any = None
+        cpu = device.type == "cpu"
+        if triton if triton is not None else device.type == "cuda":
+            self._fast = self._triton(qw)
+        elif cpu and qw.kind == "int" and qw.bits == 4:
+            self._fast = self._int4(qw)
+        elif cpu and qw.kind == "int" and qw.activations == "int8-token" and qw.zero is None and qw.scale.shape[1] == 1:
+            self.q8 = qw.q.to(torch.int8).contiguous()
+            self.s8 = qw.scale[:, 0].to(device=device, dtype=dtype)
+            self.path, self._fast = "w8a8-int8pack", self._w8a8
+        elif cpu and qw.kind == "int" and qw.bits == 8 and qw.zero is None and qw.scale.shape[1] == 1:
+            self.q8 = qw.q.to(torch.int8).contiguous()
+            self.s8 = qw.scale[:, 0].to(device=device, dtype=dtype)
+            self.path, self._fast = "int8-weight", self._int8
+        if self._fast is not None and not self._agrees(qw):
+            self._fast, self.path = None, "reference"
+        if self._fast is None:  # the reference path: quantized values in the smallest integer type
+            self.qw = replace(
+                qw,
+                q=qw.q.to(device),
+                scale=qw.scale.to(device), zero=None if qw.zero is None else qw.zero.to(device), perm=None,
+            )
+        if qw.activations == "int8-token" and self.path == "reference":
+            self.path = "w8a8-reference"
+
+    @property
+    def backend(self) -> str:
+        return self.path
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A weight-shaped tensor on the meta device, for shape queries (nothing is dequantized)."""
+        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
+
+    def _int4(self, qw: QWeight):
+        group = qw.group
+        scale, zero = qw.scale, qw.zero if qw.zero is not None else torch.zeros_like(qw.scale)
+        if group not in _INT4_GROUPS:  # one group per row (or a larger group): smaller groups, repeated scales
+            sub = next((g for g in reversed(_INT4_GROUPS) if group % g == 0), None)
+            if sub is None:
+                return None
+            scale, zero = scale.repeat_interleave(group // sub, 1), zero.repeat_interleave(group // sub, 1)
+            group = sub
+        q = qw.q.int() if qw.zero is not None else qw.q.int() + 8  # torch's layout: unsigned 0..15 around 8
+        zero = zero if qw.zero is not None else zero + 8
+        try:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        except RuntimeError:
+            return None
+        # torch dequantizes (q - 8) * scale + z4: with w = (q - zero) * scale, z4 = (8 - zero) * scale
+        self.scales_zeros = torch.stack([scale.T, ((8 - zero) * scale).T], dim=-1).to(self.dtype).contiguous()
+        self.group = group
+        self.path = "int4-weight"
+        return self._int4_mm
+
+    def _triton(self, qw: QWeight):
+        """The Triton kernel's layout: int4 two per byte, int8 as is, FP8 as is; float32 scales and zeros."""
+        from batchgen_kernels.quant_gemm import pack_int4  # noqa: PLC0415
+
+        dev = self.device
+        zero = qw.zero
+        if qw.kind == "fp8":
+            self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale.expand(-1, 1), qw.in_features
+        elif qw.bits == 4:
+            q = qw.q.to(torch.int16)
+            if zero is None:  # signed values: unsigned around 8
+                q, zero = q + 8, torch.full_like(qw.scale, 8.0)
+            if qw.in_features % 2:
+                return None
+            self.t_kind, packed, scale, group = "int4", pack_int4(q), qw.scale, qw.group
+        else:
+            self.t_kind, packed, scale, group = "int8", qw.q, qw.scale, qw.group
+        self.t_packed = packed.contiguous().to(dev)
+        self.t_scale = scale.float().contiguous().to(dev)
+        self.t_zero = None if zero is None else zero.float().contiguous().to(dev)
+        self.t_group = group
+        self.t_tokens = qw.activations == "int8-token"
+        self.path = f"triton-{self.t_kind}" + ("-w8a8" if self.t_tokens else "")
+        return self._triton_mm
+
+    def _triton_mm(self, x: torch.Tensor) -> torch.Tensor:
+        from batchgen_kernels.quant_gemm import quant_gemm  # noqa: PLC0415
+
+        if self.t_tokens:
+            x = fake_quantize_tokens(x.float()).to(x.dtype)
+        return quant_gemm(x, self.t_kind, self.t_packed, self.t_scale, self.t_zero, self.t_group)
+
+    def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q8, self.s8)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        # the activations on their per-token int8 grid, then the int8 weights widened in the GEMM:
+        # W8A8's result (products of int8 values, summed in float32)
+        return torch._weight_int8pack_mm(fake_quantize_tokens(x.float()).to(x.dtype), self.q8, self.s8)
+
+    def _agrees(self, qw: QWeight) -> bool:
+        """The fast path against the dequantized weight on a probe (a kernel that misbehaves on this
+        CPU or shape is not used)."""
+        probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.dtype)
+        try:
+            got = self._fast(probe if qw.perm is None else probe[:, qw.perm].contiguous()).float()
+        except RuntimeError:
+            return False
+        x = fake_quantize_tokens(probe.float()) if qw.activations == "int8-token" else probe.float()
+        rows = slice(0, 256)  # the first rows: a whole dequantized weight would double the load's peak
+        head = replace(qw, q=qw.q[rows], scale=qw.scale[rows], zero=None if qw.zero is None else qw.zero[rows])
+        want = x @ head.dequantize().T
+        got = got[:, rows]
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        return bool(((got - want).abs().max() / want.abs().max().clamp(min=1.0)) < tol)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.perm is not None:
+            x2 = x2[:, self.perm]
+        if self._fast is not None:
+            y = self._fast(x2.contiguous())
+        else:
+            qw = self.qw
+            if qw.activations == "int8-token":
+                x2 = fake_quantize_tokens(x2.float()).to(x2.dtype)
+            w = qw.q.to(self.dtype) if qw.kind == "fp8" else qw.q.to(torch.float32)
+            if qw.kind == "int":
+                if qw.zero is not None:
+                    w = w - qw.zero.repeat_interleave(qw.group, dim=1)
+                w = (w * qw.scale.repeat_interleave(qw.group, dim=1)).to(self.dtype)
+            else:
+                w = (w.float() * qw.scale).to(self.dtype)
+            y = F.linear(x2, w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, y.shape[-1])
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
+
+def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] float32 rounded to int8 per token (symmetric, scale max|x| / 127) and back: what
+    W8A8's dynamic activation quantization does to a step's inputs."""
+    s = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return torch.round(x / s).clamp(-128, 127) * s
+
+
+class ConcatLinear:
+    """Projections that cannot be stacked into one (GPTQ ``desc_act`` orders each one's inputs
+    differently): each runs on its own and the outputs are concatenated."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        self.parts = parts
+        self.kernel = None
+        self.path = parts[0].path
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.dtype = parts[0].dtype
+
+    @property
+    def backend(self) -> str:
+        return self.path
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
+
+def path_counts(layers: list) -> dict[str, int]:
+    """How many projections took each path (``QuantLinear.path``; "dense" for the rest)."""
+    return dict(Counter(getattr(layer, "path", "dense") for layer in layers))

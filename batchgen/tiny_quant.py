@@ -1,0 +1,182 @@
+"""Quantized checkpoints of small random models, written in each format's own layout: what the tests
+and workload Q load. ``quantize_model(src, dst, fmt)`` quantizes every q/k/v/o and gate/up/down
+projection of the float model in ``src`` (embeddings and the LM head stay as they are), writes
+``dst`` (config with its ``quantization_config``, safetensors, tokenizer) and returns the
+dequantized float32 weights by parameter name: loaded into transformers, they are the oracle.
+
+Formats (``FORMATS``): ``gptq`` (4 or 8 bits, ``group`` 32..128 or -1 per row, ``sym``, ``desc_act``
+with a shuffled ``g_idx``), ``awq`` (GEMM layout, 4 bits, zero points), ``ct-int4`` / ``ct-int8``
+(compressed-tensors pack-quantized, symmetric, weight-only), ``ct-w8a8`` (int-quantized, per-row
+weights, dynamic per-token activations) and ``ct-fp8`` (float-quantized, per-tensor or per-row).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+FORMATS = ("gptq", "awq", "ct-int4", "ct-int8", "ct-w8a8", "ct-fp8")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] values (0 .. 2**bits - 1) -> int32 [R * bits / 32, C], value k of each int32 at bits k*bits."""
+    per = 32 // bits
+    q = q.to(torch.int64).reshape(q.shape[0] // per, per, q.shape[1])
+    out = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int64)
+    for k in range(per):
+        out |= q[:, k] << (bits * k)
+    return _to_int32(out)
+
+
+def pack_cols(q: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[R, C] values -> int32 [R, C * bits / 32] along the columns (``order``: AWQ's column order)."""
+    per = 32 // bits
+    q = q.to(torch.int64).reshape(q.shape[0], q.shape[1] // per, per)
+    out = torch.zeros(q.shape[0], q.shape[1], dtype=torch.int64)
+    for k in range(per):
+        out |= q[..., order[k] if order else k] << (bits * k)
+    return _to_int32(out)
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _groups(w: torch.Tensor, group: int) -> int:
+    return w.shape[1] if group in (-1, 0) else group
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, sym: bool = True,
+                    desc_act: bool = False, per_channel: bool = False, seed: int = 0):
+    # GPTQ's v1 layout stores zero - 1: a zero of 0 does not survive it, so asymmetric zeros start at 1
+    """One [out, in] float32 weight in ``fmt``: (tensors by suffix, dequantized float32 weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, inp = w.shape
+    if fmt == "ct-fp8":
+        scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 448.0
+        q = (w / scale).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": scale.float()}, q.float() * scale
+    if fmt == "ct-w8a8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).half().float()
+        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": scale}, q.float() * scale
+    if fmt in ("ct-int4", "ct-int8"):
+        bits = 4 if fmt == "ct-int4" else 8
+    g = _groups(w, group)
+    g_idx = torch.arange(inp) // g
+    if desc_act:  # inputs assigned to groups in a shuffled order, as GPTQ's act-order leaves them
+        g_idx = g_idx[torch.randperm(inp, generator=gen)]
+    groups = inp // g
+    members = [torch.nonzero(g_idx == k).flatten() for k in range(groups)]
+    scale = torch.empty(groups, out)
+    zero = torch.empty(groups, out)
+    q = torch.empty(inp, out, dtype=torch.int64)  # [in, out]
+    wt = w.T
+    top = 2**bits - 1
+    for k, idx in enumerate(members):
+        block = wt[idx]  # [g, out]
+        if sym:
+            s = (block.abs().amax(0) / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
+            z = torch.full((out,), float(2 ** (bits - 1)))
+        else:
+            lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
+            s = ((hi - lo) / top).clamp(min=1e-8)
+            z = torch.round(-lo / s.half().float()).clamp(1 if fmt == "gptq" else 0, top)
+        s = s.half().float()  # the checkpoint stores float16 scales
+        scale[k], zero[k] = s, z
+        q[idx] = (torch.round(block / s) + z).clamp(0, top).long()
+    deq = ((q.float() - zero[g_idx]) * scale[g_idx]).T.contiguous()
+    if fmt == "gptq":
+        return {
+            "qweight": pack_rows(q, bits),
+            "qzeros": pack_cols((zero.long() - 1) % (2**bits), bits),  # GPTQ v1 stores zero - 1
+            "scales": scale.half(),
+            "g_idx": g_idx.to(torch.int32),
+        }, deq
+    if fmt == "awq":
+        return {"qweight": pack_cols(q, 4, AWQ_ORDER), "qzeros": pack_cols(zero.long(), 4, AWQ_ORDER),
+                "scales": scale.half()}, deq
+    if fmt in ("ct-int4", "ct-int8"):  # signed values stored with an offset of 2**(bits - 1)
+        stored = q.T  # already offset by z = 2**(bits - 1) (symmetric)
+        return {"weight_packed": pack_cols(stored, bits), "weight_scale": scale.T.contiguous().half(),
+                "weight_shape": torch.tensor([out, inp])}, deq
+    raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = True, desc_act: bool = False,
+                        per_channel: bool = False) -> dict:
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
+                "checkpoint_format": "gptq"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    weights: dict = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
+    acts = None
+    if fmt in ("ct-int4", "ct-int8"):
+        weights.update(num_bits=4 if fmt == "ct-int4" else 8,
+                       strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group)
+        form = "pack-quantized"
+    elif fmt == "ct-w8a8":
+        weights.update(strategy="channel")
+        acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+        form = "int-quantized"
+    else:
+        weights.update(type="float", strategy="channel" if per_channel else "tensor")
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+        form = "float-quantized"
+    return {
+        "quant_method": "compressed-tensors",
+        "format": form,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+        "ignore": ["lm_head"],
+    }
+
+
+def quantize_model(
+    src: str | Path, dst: str | Path, fmt: str, oracle: str | Path | None = None, **opts
+) -> dict[str, torch.Tensor]:
+    """Write ``src``'s model quantized in ``fmt`` to ``dst``; returns the dequantized weights, and
+    writes them as a float model to ``oracle`` when given (transformers loads it as the oracle)."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    files = sorted(src.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"{src}: one safetensors file expected")
+    state = load_file(str(files[0]))
+    out: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for i, (name, tensor) in enumerate(sorted(state.items())):
+        module = name.rsplit(".", 2)
+        if len(module) == 3 and module[1] in PROJECTIONS and module[2] == "weight" and ".layers." in name:
+            tensors, deq = quantize_weight(tensor.float(), fmt, seed=i, **opts)
+            prefix = name[: -len(".weight")]
+            for suffix, t in tensors.items():
+                out[f"{prefix}.{suffix}"] = t.contiguous()
+            dequantized[name] = deq
+        else:
+            out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if oracle is not None:
+        oracle = Path(oracle)
+        oracle.mkdir(parents=True, exist_ok=True)
+        float_state = {k: (dequantized[k].to(v.dtype) if k in dequantized else v) for k, v in state.items()}
+        save_file(float_state, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, oracle / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt, **opts)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    return dequantized
