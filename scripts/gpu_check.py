@@ -235,6 +235,33 @@ def check_lora_kernels(bw: float, rows: list) -> None:
                               2 * y.numel() * 2 + b.numel() * 2 + t * rank * 4, bw), "rel_err": err})
 
 
+def check_quant_gemm(bw: float, rows: list) -> None:
+    """The quantized checkpoints' weight-only GEMM at bench-1b's gate_up shape (2048 -> 16384), 64
+    rows of bf16 activations: int4 (groups of 128, zero points), int8 and FP8 per row, against
+    the torch reference; bytes moved are the packed weight's."""
+    import triton.testing
+
+    from batchgen_kernels.quant_gemm import pack_int4, quant_gemm, quant_gemm_ref
+
+    m, n, k = 64, 16384, 2048
+    x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+    for kind, group in (("int4", 128), ("int8", 2048), ("fp8", 2048)):
+        scale = torch.rand((n, k // group), device="cuda") * 0.01 + 0.001
+        zero = None
+        if kind == "int4":
+            packed = pack_int4(torch.randint(0, 16, (n, k), device="cuda"))
+            zero = torch.randint(0, 16, (n, k // group), device="cuda").float()
+        elif kind == "int8":
+            packed = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
+        else:
+            packed = (torch.randn((n, k), device="cuda") * 50).to(torch.float8_e4m3fn)
+        err = rel_err(quant_gemm(x, kind, packed, scale, zero, group), quant_gemm_ref(x, kind, packed, scale, zero, group))
+        args = (x, kind, packed, scale, zero, group)
+        ms = triton.testing.do_bench(lambda args=args: quant_gemm(*args), warmup=25, rep=200, return_mode="median")
+        nbytes = packed.numel() * packed.element_size() + scale.numel() * 8 + x.numel() * 2 + m * n * 2
+        rows.append({**kernel_row(f"quant_gemm {kind} 64 x 2048 -> 16384", err < 1e-2, ms, nbytes, bw), "rel_err": err})
+
+
 def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     import numpy as np
     import triton.testing
@@ -453,6 +480,7 @@ def main() -> None:
     section("attention kernels", check_attention, bw, kernels)
     section("KV write and block copy", check_small_kernels, bw, kernels)
     section("LoRA kernels", check_lora_kernels, bw, kernels)
+    section("quantized GEMM", check_quant_gemm, bw, kernels)
     section("engine paths", check_engine_paths, bw, kernels, engine_checks)
     section("families", lambda: engine_checks.append(check_families()))
     for r in engine_checks:

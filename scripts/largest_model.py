@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -101,7 +102,8 @@ def run_job(model: Path, linear_backend: str) -> dict:
     import yaml
 
     work = model / "job"
-    work.mkdir(exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     pq.write_table(pa.table({"prompt": ["the cat sat on", "a dog", "once upon a time", "hello"]}), work / "in.parquet")
     config = {
         "model": str(model),
@@ -113,8 +115,8 @@ def run_job(model: Path, linear_backend: str) -> dict:
     }
     (work / "job.yaml").write_text(yaml.safe_dump(config))
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "batchgen", "job", str(work / "job.yaml"), "--no-progress",
-                          "--overwrite"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "batchgen", "job", str(work / "job.yaml"), "--no-progress"],
+                         capture_output=True, text=True)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     return {"rc": res.returncode, "wall_s": time.perf_counter() - start, "peak_rss_gib": peak,
             "tail": (res.stdout + res.stderr)[-1500:]}

@@ -86,20 +86,20 @@ class QWeight:
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [R, C] holding 32/bits values each along the rows (value k at bits k*bits..) -> [R*32/bits, C]."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    vals = ((packed.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)).to(torch.uint8)
-    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+    out = torch.empty(packed.shape[0], per, packed.shape[1], dtype=torch.uint8)
+    for k in range(per):  # one value position at a time: no int32 copy of the whole weight
+        out[:, k] = (packed >> (bits * k)) & ((1 << bits) - 1)
+    return out.view(packed.shape[0] * per, packed.shape[1])
 
 
 def unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 [R, C] holding 32/bits values each along the columns -> [R, C*32/bits]; ``order``: the
     column each of an int32's values belongs to (AWQ), else in place."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    vals = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)  # [R, C, per]: value k at bits k*bits
-    if order is not None:
-        vals = vals[..., torch.tensor([order.index(c) for c in range(per)])]
-    return vals.reshape(packed.shape[0], packed.shape[1] * per)
+    out = torch.empty(packed.shape[0], packed.shape[1], per, dtype=torch.uint8)
+    for k in range(per):  # value k of each int32 at bits k*bits goes to column ``order[k]``
+        out[..., order[k] if order is not None else k] = (packed >> (bits * k)) & ((1 << bits) - 1)
+    return out.view(packed.shape[0], packed.shape[1] * per)
 
 
 @dataclass(frozen=True)
@@ -359,10 +359,13 @@ class QuantLinear:
                 return None
             scale, zero = scale.repeat_interleave(group // sub, 1), zero.repeat_interleave(group // sub, 1)
             group = sub
-        q = qw.q.int() if qw.zero is not None else qw.q.int() + 8  # torch's layout: unsigned 0..15 around 8
-        zero = zero if qw.zero is not None else zero + 8
-        try:
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        offset = 0 if qw.zero is not None else 8  # torch's layout: unsigned 0..15 around 8
+        zero = zero + offset
+        try:  # in blocks of rows (the packed layout is row by row): no int32 copy of the whole weight
+            self.packed = torch.cat([
+                torch._convert_weight_to_int4pack_for_cpu((qw.q[r : r + 4096].int() + offset).contiguous(), 1)
+                for r in range(0, qw.out_features, 4096)
+            ])
         except RuntimeError:
             return None
         # torch dequantizes (q - 8) * scale + z4: with w = (q - zero) * scale, z4 = (8 - zero) * scale
