@@ -275,13 +275,7 @@ def run_hf_lora(model_dir: str, w: Workload, threads: int, dtype: str = "float32
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         model = PeftModel.from_pretrained(base, path).eval()
         rows = [i for i in range(len(w.prompts)) if i % len(paths) == k]
-        batch = [w.prompts[i] for i in rows]
-        width = max(len(p) for p in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, p in enumerate(batch):
-            ids[j, width - len(p) :] = torch.tensor(p)
-            mask[j, width - len(p) :] = 1
+        ids, mask = left_padded([w.prompts[i] for i in rows])
         top = max(w.max_tokens[i] for i in rows)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -354,18 +348,8 @@ def weight_bytes(llm) -> int:
 
 def run_batchgen_plain(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
     """Workload Q's runs: ``run_batchgen`` plus the weights' bytes and the projections' paths."""
-    import batchgen.llm
-
-    made = []
-    original = batchgen.llm.LLM.__init__
-
-    def keep(self, *a, **k):  # the run's LLM, to count its weights after the run
-        original(self, *a, **k)
-        made.append(self)
-
-    batchgen.llm.LLM.__init__ = keep
-    r = run_batchgen(model_dir, w, threads, None, dtype)
-    return {**r, "paths": r["stats"]["quantized_paths"] or "dense", "weight_mib": weight_bytes(made[0]) / 2**20}
+    r = run_batchgen(model_dir, w, threads, None, dtype, extra=lambda llm: {"weight_mib": weight_bytes(llm) / 2**20})
+    return {**r, "paths": r["stats"]["quantized_paths"] or "dense"}
 
 
 def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
@@ -405,8 +389,9 @@ def in_fresh_process(fn, *args):
 
 
 def run_batchgen(
-    model_dir: str, w: Workload, threads: int, settings: dict | None = None, dtype: str = "float32"
+    model_dir: str, w: Workload, threads: int, settings: dict | None = None, dtype: str = "float32", extra=None
 ) -> dict:
+    """``extra(llm)``: more figures of the run, taken after it."""
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     torch.set_num_threads(threads)
@@ -455,7 +440,19 @@ def run_batchgen(
         "prefill_tokens_per_s": prompt_tokens / stats["prefill_s"] if stats["prefill_s"] else None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "stats": stats,
+        **(extra(llm) if extra is not None else {}),
     }
+
+
+def left_padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts padded on the left with 0 into one batch: (input ids, attention mask)."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
 
 
 def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dtype: str = "float32") -> dict:
@@ -479,12 +476,8 @@ def run_hf(model_dir: str, w: Workload, batch_sizes: list[int], threads: int, dt
         for start in range(0, len(w.prompts), bs):
             batch = w.prompts[start : start + bs]
             limits = w.max_tokens[start : start + bs]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, p in enumerate(batch):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
+            ids, mask = left_padded(batch)
+            width = ids.shape[1]
             top = max(limits)
             kwargs = dict(max_new_tokens=top, min_new_tokens=top, pad_token_id=0)
             if not w.ignore_eos:

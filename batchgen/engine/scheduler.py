@@ -164,9 +164,10 @@ class Scheduler:
         computing: set[int] = set()  # hashes of blocks that this step's prefills will fill
         while self.waiting and budget > 0 and len(out.preempted) == recomputing and not self.swapped:
             group = self.waiting[0]
-            if not self._adapter_fits(group):
+            loras = {g.lora_id for g in self.running} - {0} if self.max_loras else set()
+            if not self._adapter_fits(group, loras):
                 # its adapter would be one too many: the first waiting group whose adapter fits goes first
-                later = next((g for g in self.waiting if self._adapter_fits(g)), None)
+                later = next((g for g in self.waiting if self._adapter_fits(g, loras)), None)
                 if later is None:
                     break
                 self.waiting.remove(later)
@@ -190,12 +191,9 @@ class Scheduler:
         out.fresh_blocks = self.bm.take_fresh_blocks()
         return out
 
-    def _adapter_fits(self, group: SequenceGroup) -> bool:
-        """Whether ``group`` may run beside the running groups within ``max_loras`` adapters."""
-        if not group.lora_id:
-            return True
-        running = {g.lora_id for g in self.running} - {0}
-        return group.lora_id in running or len(running) < self.max_loras
+    def _adapter_fits(self, group: SequenceGroup, running: set[int]) -> bool:
+        """Whether ``group`` may run beside groups on the adapters ``running`` within ``max_loras``."""
+        return not group.lora_id or group.lora_id in running or len(running) < self.max_loras
 
     def _can_admit(self, group: SequenceGroup, blocks: int) -> bool:
         """Whether a waiting or swapped group may join the running ones with ``blocks`` more

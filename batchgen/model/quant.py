@@ -298,7 +298,36 @@ class QuantFormat:
         return QWeight("int", self.bits, q.contiguous(), scale, zero, group, activations=self.activations)
 
 
-class QuantLinear:
+class _QuantLayer:
+    """What a quantized layer answers like ``linear.Linear``: its path as ``backend``, a meta
+    ``weight`` for shape queries, no fused SwiGLU, no compiled-kernel packing."""
+
+    path: str
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    kernel = None  # the compiled GEMM kernel's packing: never (MoE's grouped call needs one)
+
+    @property
+    def backend(self) -> str:
+        return self.path
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A weight-shaped tensor on the meta device (nothing is dequantized)."""
+        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).float()
+
+
+class QuantLinear(_QuantLayer):
     """``y = x @ dequantize(weight).T + bias`` with the weight kept quantized (see the module
     docstring); the same calls as ``linear.Linear``."""
 
@@ -314,7 +343,6 @@ class QuantLinear:
             qw = replace(qw, q=signed, zero=None)  # symmetric: signed values
         self.out_features, self.in_features = qw.out_features, qw.in_features
         self.perm = None if qw.perm is None else qw.perm.to(device)
-        self.kernel = None  # the compiled GEMM kernel's (never here: MoE's grouped call needs it)
         self.path = "reference"
         self._fast: Any = None
         cpu = device.type == "cpu"
@@ -340,15 +368,6 @@ class QuantLinear:
             )
         if qw.activations == "int8-token" and self.path == "reference":
             self.path = "w8a8-reference"
-
-    @property
-    def backend(self) -> str:
-        return self.path
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A weight-shaped tensor on the meta device, for shape queries (nothing is dequantized)."""
-        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
 
     def _int4(self, qw: QWeight):
         group = qw.group
@@ -456,12 +475,6 @@ class QuantLinear:
             y = y + self.bias
         return y.view(*lead, y.shape[-1])
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-    def widened(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x).float()
-
 
 def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
     """x [T, in] float32 rounded to int8 per token (symmetric, scale max|x| / 127) and back: what
@@ -470,34 +483,19 @@ def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / s).clamp(-128, 127) * s
 
 
-class ConcatLinear:
+class ConcatLinear(_QuantLayer):
     """Projections that cannot be stacked into one (GPTQ ``desc_act`` orders each one's inputs
     differently): each runs on its own and the outputs are concatenated."""
 
     def __init__(self, parts: list[QuantLinear]) -> None:
         self.parts = parts
-        self.kernel = None
         self.path = parts[0].path
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
         self.dtype = parts[0].dtype
 
-    @property
-    def backend(self) -> str:
-        return self.path
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-    def widened(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x).float()
 
 
 def path_counts(layers: list) -> dict[str, int]:

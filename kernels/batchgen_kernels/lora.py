@@ -22,74 +22,45 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _shrink_kernel(
-    X, A, T, SEG, nseg, R, K,
-    sx, sa_slot, sa_r, st,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+def _sgmv_kernel(
+    IN, W, OUT, SEG, nseg, N, K,
+    s_in, s_wslot, s_wn, s_out,
+    ADD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """``OUT[rows, :N] (+)= IN[rows, :K] @ W[slot, :N, :K].T`` over one segment's tile of rows
+    (``ADD``: added to what ``OUT`` holds, else stored as float32)."""
     s = tl.program_id(0)
     start = tl.load(SEG + s)
     length = tl.load(SEG + nseg + s)
     slot = tl.load(SEG + 2 * nseg + s).to(tl.int64)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
     if tl.program_id(1) * BM >= length:
         return
-    cols = tl.program_id(2) * BN + tl.arange(0, BN)
-    row_ok = rows < length
-    col_ok = cols < R
-    rows64 = (start + rows).to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < K
-        x = tl.load(X + rows64[:, None] * sx + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(
-            A + slot * sa_slot + cols[None, :].to(tl.int64) * sa_r + ks[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, a)
-    tl.store(T + rows64[:, None] * st + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _expand_kernel(
-    T, B, Y, SEG, nseg, N, R,
-    st, sb_slot, sb_n, sy,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-):
-    s = tl.program_id(0)
-    start = tl.load(SEG + s)
-    length = tl.load(SEG + nseg + s)
-    slot = tl.load(SEG + 2 * nseg + s).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    if tl.program_id(1) * BM >= length:
-        return
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
     row_ok = rows < length
     col_ok = cols < N
     rows64 = (start + rows).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, R, BK):
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < R
-        t = tl.load(T + rows64[:, None] * st + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(
-            B + slot * sb_slot + cols[None, :].to(tl.int64) * sb_n + ks[:, None],
+        k_ok = ks < K
+        x = tl.load(IN + rows64[:, None] * s_in + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(
+            W + slot * s_wslot + cols[None, :].to(tl.int64) * s_wn + ks[:, None],
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
         if IEEE:
-            acc += tl.dot(t, b.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(t.to(b.dtype), b)
-    ptr = Y + rows64[:, None] * sy + cols[None, :]
+            acc += tl.dot(x.to(w.dtype), w)
+    ptr = OUT + rows64[:, None] * s_out + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(ptr, mask=mask, other=0.0)
-    tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    if ADD:
+        y = tl.load(ptr, mask=mask, other=0.0)
+        tl.store(ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    else:
+        tl.store(ptr, acc, mask=mask)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, what: str) -> None:
@@ -112,9 +83,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg: torch.Tensor, max_len: in
         return t
     bn = max(16, min(64, triton.next_power_of_2(rank)))
     grid = (nseg, triton.cdiv(max_len, 16), triton.cdiv(rank, bn))
-    _shrink_kernel[grid](
+    _sgmv_kernel[grid](
         x, a, t, seg, nseg, rank, k, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        BM=16, BN=bn, BK=32, IEEE=x.dtype == torch.float32 or INTERPRET,
+        ADD=False, BM=16, BN=bn, BK=32, IEEE=x.dtype == torch.float32 or INTERPRET,
     )
     return t
 
@@ -130,9 +101,9 @@ def lora_expand(t: torch.Tensor, b: torch.Tensor, y: torch.Tensor, seg: torch.Te
         return
     n, rank = b.shape[1], b.shape[2]
     grid = (nseg, triton.cdiv(max_len, 16), triton.cdiv(n, 64))
-    _expand_kernel[grid](
+    _sgmv_kernel[grid](
         t, b, y, seg, nseg, n, rank, t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BM=16, BN=64, BK=16, IEEE=y.dtype == torch.float32 or INTERPRET,
+        ADD=True, BM=16, BN=64, BK=16, IEEE=y.dtype == torch.float32 or INTERPRET,
     )
 
 
