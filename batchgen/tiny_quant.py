@@ -8,6 +8,8 @@ Formats (``FORMATS``): ``gptq`` (4 or 8 bits, ``group`` 32..128 or -1 per row, `
 with a shuffled ``g_idx``), ``awq`` (GEMM layout, 4 bits, zero points), ``ct-int4`` / ``ct-int8``
 (compressed-tensors pack-quantized, symmetric, weight-only), ``ct-w8a8`` (int-quantized, per-row
 weights, dynamic per-token activations) and ``ct-fp8`` (float-quantized, per-tensor or per-row).
+``quantize_gpt_oss_mxfp4(src, dst)`` writes a gpt-oss model's experts as its hub checkpoints hold
+them, MXFP4 blocks and scales.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def _groups(w: torch.Tensor, group: int) -> int:
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, sym: bool = True,
-                    desc_act: bool = False, per_channel: bool = False, seed: int = 0):
-    # GPTQ's v1 layout stores zero - 1: a zero of 0 does not survive it, so asymmetric zeros start at 1
-    """One [out, in] float32 weight in ``fmt``: (tensors by suffix, dequantized float32 weight)."""
+                    desc_act: bool = False, per_channel: bool = False, seed: int = 0, v2: bool = False):
+    """One [out, in] float32 weight in ``fmt``: (tensors by suffix, dequantized float32 weight).
+    ``v2``: GPTQ's ``gptq_v2`` checkpoint format (zero points stored as they are, not minus one)."""
     gen = torch.Generator().manual_seed(seed)
     out, inp = w.shape
     if fmt == "ct-fp8":
@@ -87,7 +89,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
         else:
             lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
             s = ((hi - lo) / top).clamp(min=1e-8)
-            z = torch.round(-lo / s.half().float()).clamp(1 if fmt == "gptq" else 0, top)
+            # GPTQ's v1 layout stores zero - 1: a zero of 0 does not survive it, so its zeros start at 1
+            z = torch.round(-lo / s.half().float()).clamp(1 if fmt == "gptq" and not v2 else 0, top)
         s = s.half().float()  # the checkpoint stores float16 scales
         scale[k], zero[k] = s, z
         q[idx] = (torch.round(block / s) + z).clamp(0, top).long()
@@ -95,7 +98,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
     if fmt == "gptq":
         return {
             "qweight": pack_rows(q, bits),
-            "qzeros": pack_cols((zero.long() - 1) % (2**bits), bits),  # GPTQ v1 stores zero - 1
+            "qzeros": pack_cols((zero.long() - (0 if v2 else 1)) % (2**bits), bits),  # v1 stores zero - 1
             "scales": scale.half(),
             "g_idx": g_idx.to(torch.int32),
         }, deq
@@ -110,10 +113,10 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
 
 
 def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = True, desc_act: bool = False,
-                        per_channel: bool = False) -> dict:
+                        per_channel: bool = False, v2: bool = False) -> dict:
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
-                "checkpoint_format": "gptq"}
+                "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     weights: dict = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
@@ -179,4 +182,30 @@ def quantize_model(
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)
+    return dequantized
+
+
+def quantize_gpt_oss_mxfp4(src: str | Path, dst: str | Path) -> dict[str, torch.Tensor]:
+    """Write the gpt-oss model in ``src`` to ``dst`` with MXFP4 experts (the hub's layout:
+    ``*_blocks`` [E, out, in / 32, 16] and ``*_scales`` [E, out, in / 32], with ``quant_method``
+    mxfp4); returns the dequantized expert tensors by name, in the float checkpoint's layout."""
+    from safetensors.torch import load_file, save_file
+
+    from batchgen.model import mxfp4
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    state = load_file(str(src / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, tensor in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4.quantize(tensor.float().transpose(1, 2))  # [E, out, in]
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            dequantized[name] = mxfp4.dequantize(blocks, scales).transpose(1, 2).contiguous().to(tensor.dtype)
+        else:
+            quantized[name] = tensor
+    save_file(quantized, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dequantized

@@ -1,7 +1,7 @@
 """Benchmarks of docs/benchmarks.md (CPU): batchgen against transformers ``generate`` on the same model
 files, dtype and threads, in one run. Prints a table and writes JSON.
 
-    python scripts/bench.py [S B P D M R J J-FREE A Q] [--model models/bench-56m] [--moe-model models/bench-moe]
+    python scripts/bench.py [S B P D M R J J-FREE A Q QX] [--model models/bench-56m] [--moe-model models/bench-moe]
                             [--deep-model models/bench-deep] [--dtype float32|bfloat16]
                             [--baseline-batch-sizes 4 8 16] [--skip-baseline] [--json bench-cpu.json]
                             [--engine-setting K=V] [--repeat N]
@@ -25,7 +25,9 @@ one adapter batched together (needs ``peft``).
 
 Workload Q runs R's requests on bench-deep quantized into each format (``batchgen.tiny_quant``:
 GPTQ and AWQ int4, compressed-tensors int4, int8, W8A8 and FP8, groups of 64) against batchgen in
-bfloat16 on the same model, in one run: tokens/s, peak RSS and the path each projection took.
+bfloat16 on the same model, in one run: tokens/s, peak RSS and the path each projection took
+(``--quant-formats``: only some). Workload QX runs M's requests on a gpt-oss model of bench-moe's
+size (16 experts of 384, top-4), its experts in bf16 and in MXFP4 (the hub's layout, kept quantized).
 
 Useful generated tokens only: never padding, never tokens past a row's own limit. The ratio is
 batchgen's generated tokens/s over the best baseline batch size's. ``--repeat N`` runs each side N
@@ -128,6 +130,8 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
                 out.append(w)
     if "M" in names:  # S's very prompts (S draws first from a generator seeded 0)
         out.append(n_best("M", np.random.default_rng(0), "n-best sampling n=8 on the MoE model", moe=True))
+    if "QX" in names:  # M's requests on a gpt-oss model, bf16 and MXFP4 experts
+        out.append(n_best("QX", np.random.default_rng(0), "n-best sampling n=8, gpt-oss bf16 / MXFP4 experts", moe=True))
     if "L" in names:  # one 16,384-token prompt and three of 4,096, n=4 sampling, on a 32k context
         generator = np.random.default_rng(4)
         lens = [16384, 4096, 4096, 4096]
@@ -352,13 +356,15 @@ def run_batchgen_plain(model_dir: str, w: Workload, threads: int, dtype: str) ->
     return {**r, "paths": r["stats"]["quantized_paths"] or "dense"}
 
 
-def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
+def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str, formats: list[str] | None = None) -> dict:
     from batchgen.tiny_quant import quantize_model
 
     rows = {"bf16": in_fresh_process(run_batchgen_plain, model_dir, w, threads, dtype)}
     print(f"    bf16               {rows['bf16']['tokens_per_s']:8.1f} tok/s, weights {rows['bf16']['weight_mib']:.0f} MiB, "
           f"peak RSS {rows['bf16']['peak_rss_mib']:.0f} MiB", flush=True)
     for name, (fmt, opts) in QUANT_FORMATS.items():
+        if formats and name not in formats:
+            continue
         path = f"{model_dir}-{name}"
         if not (Path(path) / "config.json").exists():
             print(f"    quantizing into {path} ...", flush=True)
@@ -374,6 +380,34 @@ def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str) -> dict:
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
               f"{r['weight_mib']:.0f} | {r['weight_mib'] / base['weight_mib']:.2f}x | {r['peak_rss_mib']:.0f} | {r['paths']} |")
     return {"workload": "Q", "results": {k: {kk: v for kk, v in r.items() if kk != "stats"} for k, r in rows.items()}}
+
+
+def bench_mxfp4(model_dir: str, w: Workload, threads: int, repeat: int) -> dict:
+    """Workload QX: M's requests on a gpt-oss model of bench-moe's size, its experts in bf16 (packed
+    for the compiled GEMM kernel) and kept MXFP4 (the kernel's MXFP4 path), alternating runs."""
+    from batchgen.tiny import BENCH_SHAPE, make_model
+    from batchgen.tiny_quant import quantize_gpt_oss_mxfp4
+
+    quantized = f"{model_dir}-mxfp4"
+    if not (Path(model_dir) / "config.json").exists():
+        print(f"building the bench model in {model_dir} ...", flush=True)
+        make_model(model_dir, "gpt_oss", seed=0, **{**BENCH_SHAPE, "intermediate_size": 384}, num_local_experts=16,
+                   num_experts_per_tok=4, sliding_window=128)
+    if not (Path(quantized) / "config.json").exists():
+        quantize_gpt_oss_mxfp4(model_dir, quantized)
+    runs: dict[str, list[dict]] = {"bf16": [], "mxfp4": []}
+    for _ in range(repeat):
+        for side, path in (("bf16", model_dir), ("mxfp4", quantized)):
+            runs[side].append(in_fresh_process(run_batchgen_plain, path, w, threads, "bfloat16"))
+            r = runs[side][-1]
+            print(f"    {side:<6} {r['tokens_per_s']:8.1f} tok/s, weights {r['weight_mib']:.0f} MiB, "
+                  f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['paths']})", flush=True)
+    med = {side: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for side, rs in runs.items()}
+    speed = med["mxfp4"]["tokens_per_s"] / med["bf16"]["tokens_per_s"]
+    memory = med["mxfp4"]["weight_mib"] / med["bf16"]["weight_mib"]
+    print(f"    MXFP4 over bf16: {speed:.2f}x tokens/s, {memory:.2f}x weight memory", flush=True)
+    return {"workload": "QX", "mxfp4_over_bf16": speed, "weights_mxfp4_over_bf16": memory,
+            "results": {side: {k: v for k, v in r.items() if k != "stats"} for side, r in med.items()}}
 
 
 def useful_tokens(w: Workload) -> int:
@@ -609,6 +643,7 @@ def main() -> None:
     ap.add_argument("--moe-model", default="models/bench-moe", help="the model of workload M")
     ap.add_argument("--deep-model", default="models/bench-deep", help="the model of workload R")
     ap.add_argument("--long-model", default="models/bench-56m-32k", help="the model of workload L")
+    ap.add_argument("--gpt-oss-model", default="models/bench-gpt-oss", help="the model of workload QX")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
@@ -620,6 +655,7 @@ def main() -> None:
         default=1,
         help="run each side this many times, alternating, in fresh processes; report each side's median run",
     )
+    ap.add_argument("--quant-formats", nargs="+", choices=list(QUANT_FORMATS), help="workload Q: only these formats")
     ap.add_argument(
         "--engine-setting",
         action="append",
@@ -674,8 +710,11 @@ def main() -> None:
         lora_rows.append(bench_lora(args.model, w, args.threads, args.repeat, args.skip_baseline, args.dtype))
     for w in [w for w in workloads if w.name == "Q"]:
         print(f"workload Q: R's requests on {args.deep_model} in each quantized format", flush=True)
-        lora_rows.append(bench_quant(args.deep_model, w, args.threads, "bfloat16"))
-    workloads = [w for w in workloads if w.name not in ("A", "Q")]
+        lora_rows.append(bench_quant(args.deep_model, w, args.threads, "bfloat16", args.quant_formats))
+    for w in [w for w in workloads if w.name == "QX"]:
+        print(f"workload QX: {w.notes}, {len(w.prompts)} prompts ({args.gpt_oss_model})", flush=True)
+        lora_rows.append(bench_mxfp4(args.gpt_oss_model, w, args.threads, args.repeat))
+    workloads = [w for w in workloads if w.name not in ("A", "Q", "QX")]
     if not workloads:
         Path(args.json).write_text(json.dumps({"results": lora_rows}, indent=2, default=str))
         print(f"wrote {args.json}")

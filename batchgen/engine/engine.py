@@ -622,11 +622,11 @@ class LLMEngine:
     def _quant_stats(self) -> dict[str, str]:
         """The checkpoint's quantization and how many projections took each path (``quant.py``)."""
         model = self.runner.model
-        if model.quant is None:
-            return {"quantization": model.quant_method or "none", "quantized_paths": ""}
+        if model.quant_method is None:
+            return {"quantization": "none", "quantized_paths": ""}
         counts = path_counts(model.linears)
         return {
-            "quantization": model.quant.method,
+            "quantization": model.quant_method,
             "quantized_paths": ", ".join(f"{path} x {n}" for path, n in sorted(counts.items())),
         }
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchgen.model import layers, mxfp4
+from batchgen.model import layers
 from batchgen.model.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from batchgen.model.families import family_of
 from batchgen.model.layers import ACTIVATIONS, Rotary, add_rms_norm, apply_rotary, rms_norm
@@ -285,30 +285,40 @@ class DecoderModel:
     def _gpt_oss_moe(self, w: _Weights, mlp: str) -> MoE:
         """gpt-oss stores experts fused and transposed ([E, H, 2I] with gate and up interleaved
         along the last axis, [E, I, H]) in bfloat16, or as MXFP4 blocks / scales ([E, 2I, ...],
-        [E, H, ...]: already [out, in]). Both become one [gate; up] and one down matrix per expert."""
+        [E, H, ...]: already [out, in]), which stay MXFP4 (``quant.QWeight.mxfp4``). Both become one
+        [gate; up] and one down projection per expert."""
         c = self.config
 
-        def matrix(name: str) -> torch.Tensor:  # [E, out, in]
-            if w.has(name + "_blocks"):
-                blocks, scales = w.raw(name + "_blocks"), w.raw(name + "_scales")
-                try:
-                    return mxfp4.dequantize(blocks, scales, torch.float32)
-                except ValueError as e:
-                    raise ModelLoadError(f"{name} in {w.model_dir!r}: {e}") from e
-            return w.raw(name).float().transpose(1, 2)
-
-        gate_up = matrix(mlp + "experts.gate_up_proj")
-        down = matrix(mlp + "experts.down_proj")
-        gate_up_bias = w.raw(mlp + "experts.gate_up_proj_bias").float()
-        down_bias = w.take(mlp + "experts.down_proj_bias")
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-        experts = []
-        for e in range(c.num_local_experts):
-            weight = torch.cat([gate_up[e, 0::2], gate_up[e, 1::2]])  # de-interleave to [gate; up]
-            bias = torch.cat([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]])
-            experts.append(Expert(self._linear(cast(weight), cast(bias)), self._linear(cast(down[e]), down_bias[e])))
+        def projections(name: str, bias: torch.Tensor, interleaved: bool) -> list:
+            """Each expert's projection ``name``, its rows de-interleaved to [gate; up] where ``interleaved``."""
+            def rows(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat([t[0::2], t[1::2]]) if interleaved else t
+
+            if w.has(name + "_blocks"):
+                blocks, scales = w.raw(name + "_blocks"), w.raw(name + "_scales")
+                if blocks.dim() != 4 or scales.dim() != 3 or blocks.shape[0] != c.num_local_experts:
+                    raise ModelLoadError(
+                        f"{name}_blocks {tuple(blocks.shape)} / _scales {tuple(scales.shape)} in {w.model_dir!r}: "
+                        f"[{c.num_local_experts}, out, in / 32, 16] and [{c.num_local_experts}, out, in / 32] expected"
+                    )
+                layers = []
+                for e in range(c.num_local_experts):
+                    try:
+                        qw = QWeight.mxfp4(rows(blocks[e]).clone(), rows(scales[e]).clone())
+                    except QuantError as err:
+                        raise ModelLoadError(f"{name} in {w.model_dir!r}: {err}") from None
+                    layers.append(QuantLinear(qw, cast(rows(bias[e])), self.device, self.dtype))
+                self.linears.extend(layers)
+                return layers
+            dense = w.raw(name).float().transpose(1, 2)  # [E, out, in]
+            return [self._linear(cast(rows(dense[e])), cast(rows(bias[e]))) for e in range(c.num_local_experts)]
+
+        gate_up = projections(mlp + "experts.gate_up_proj", w.raw(mlp + "experts.gate_up_proj_bias").float(), True)
+        down = projections(mlp + "experts.down_proj", w.raw(mlp + "experts.down_proj_bias").float(), False)
+        experts = [Expert(g, d) for g, d in zip(gate_up, down, strict=True)]
         router = self._linear(w.take(mlp + "router.weight"), w.take(mlp + "router.bias"))
         return MoE(
             router,

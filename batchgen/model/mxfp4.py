@@ -1,8 +1,8 @@
 """MXFP4, the format of gpt-oss's expert weights: groups of 32 FP4 (E2M1) values, two per byte
 (low nibble first), sharing one power-of-two scale stored as a biased exponent (bias 127).
 Checkpoints store ``NAME_blocks`` [..., rows, groups, 16] uint8 and ``NAME_scales`` [..., rows,
-groups] uint8; batchgen dequantizes them at load. ``quantize`` writes the same format (for tests
-and for making small quantized checkpoints)."""
+groups] uint8; batchgen keeps them so (``quant.QWeight.mxfp4``) and widens them per call.
+``quantize`` writes the same format (for tests and for making small quantized checkpoints)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32
 SCALE_BIAS = 127
+# byte -> (value of its low nibble, value of its high nibble)
+_PAIRS = torch.tensor([(FP4_VALUES[b & 0x0F], FP4_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -22,11 +24,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
             f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
             f"(expected blocks [..., groups, {GROUP // 2}])"
         )
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
-    exponents = scales.to(torch.int32) - SCALE_BIAS
-    values = torch.ldexp(values.flatten(-2), exponents[..., None])
-    return values.flatten(-2).to(dtype)
+    values = _PAIRS[blocks.int()].flatten(-2)  # [..., groups, 32] float32: each byte's two values
+    scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - SCALE_BIAS)  # exact powers of two
+    return (values * scale[..., None]).flatten(-2).to(dtype)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,12 +8,20 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 
 - 4 bits: torch's CPU int4 GEMM (``torch._weight_int4pack_mm_for_cpu``; the weights in its packed
   layout, half a byte each, groups of 32 / 64 / 128 / 256, dequantized inside the GEMM);
-- 8 bits, one symmetric scale per row: ``torch._weight_int8pack_mm`` (int8 weights widened in the GEMM);
+- 8 bits, one symmetric scale per row: the compiled GEMM kernel's int8 path
+  (``batchgen_kernels.cpu_gemm.PackedBytes``: one byte a weight, widened in registers), else
+  ``torch._weight_int8pack_mm`` (``BATCHGEN_LIBRARY_KERNELS=int8_gemm`` forces it);
 - W8A8 (compressed-tensors ``int-quantized`` with dynamic per-token activations): activations
   rounded to their per-token int8 grid inside the step, then the int8 GEMM above (``torch._int_mm``,
   the int8 x int8 GEMM, kept a weight-sized buffer per layer on the CPU: twice the memory);
-- anything else (other group sizes, 8-bit groups, FP8 weights, a device without those ops): the
-  reference path, which keeps the weights quantized and widens them for each call.
+- FP8 (E4M3) weights: the compiled GEMM kernel's FP8 path (``PackedBytes`` again, widened through
+  float16; torch's ``_scaled_mm`` on the CPU quantizes the activations to FP8 too and ran 10x
+  slower than a bf16 GEMM here);
+- MXFP4 (gpt-oss's experts): the compiled kernel's MXFP4 path (``PackedMXFP4``: half a byte a
+  weight and a float32 scale per 32, widened in registers);
+- anything else (other group sizes, 8-bit groups, a CPU without the compiled kernels, a device
+  without those ops): the reference path, which keeps the weights quantized and widens them for
+  each call.
 
 ``QuantLinear.path`` says which one a layer took (``LLM.stats()["quantized_paths"]``).
 """
@@ -21,11 +29,16 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.model import mxfp4
+from batchgen_kernels.cpu import library_kernels
+from batchgen_kernels.cpu_gemm import PackedBytes, PackedMXFP4
 
 # AWQ's GEMM layout stores the 8 values of an int32 in this column order (AutoAWQ's pack order)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -41,10 +54,13 @@ class QuantError(ValueError):
 class QWeight:
     """One projection's quantized weight in canonical form (see the module docstring)."""
 
-    kind: str  # "int" | "fp8"
+    kind: str  # "int" | "fp8" | "mxfp4"
     bits: int
-    q: torch.Tensor  # int: uint8 / int8 values [out, in] (after ``perm``); fp8: float8_e4m3fn [out, in]
-    scale: torch.Tensor  # float32 [out, groups] (fp8: [out, 1] or [1, 1])
+    # int: uint8 / int8 values [out, in] (after ``perm``); fp8: float8_e4m3fn [out, in]; mxfp4:
+    # uint8 [out, in / 2], two E2M1 codes a byte (``batchgen.model.mxfp4``)
+    q: torch.Tensor
+    # float32 [out, groups] (fp8: [out, 1] or [1, 1]); mxfp4: uint8 [out, in / 32], biased exponents
+    scale: torch.Tensor
     zero: torch.Tensor | None  # float32 [out, groups] in q's units, None = 0
     group: int  # inputs per group (the input width for one group per row)
     perm: torch.Tensor | None = None  # input channel order (x[:, perm]) that makes groups contiguous
@@ -56,10 +72,13 @@ class QWeight:
 
     @property
     def in_features(self) -> int:
-        return self.q.shape[1]
+        return self.q.shape[1] * (2 if self.kind == "mxfp4" else 1)
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out, in] in the checkpoint's input order."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[out, in] in the checkpoint's input order (float32, or ``dtype``)."""
+        if self.kind == "mxfp4":
+            blocks = self.q.view(self.out_features, -1, mxfp4.GROUP // 2)
+            return mxfp4.dequantize(blocks, self.scale, dtype).view(self.out_features, self.in_features)
         if self.kind == "fp8":
             w = self.q.float() * self.scale
         else:
@@ -68,7 +87,20 @@ class QWeight:
             w = w * s
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
-        return w
+        return w.to(dtype)
+
+    @staticmethod
+    def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QWeight:
+        """One projection of gpt-oss's MXFP4 experts: blocks [out, in / 32, 16], scales [out, in / 32]."""
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 3 or (
+            blocks.shape[:2] != scales.shape or blocks.shape[2] != mxfp4.GROUP // 2
+        ):
+            raise QuantError(
+                f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not fit scales {tuple(scales.shape)} "
+                f"{scales.dtype} (expected uint8 [out, in / 32, 16] and [out, in / 32])"
+            )
+        return QWeight("mxfp4", 4, blocks.reshape(blocks.shape[0], -1).contiguous(), scales.contiguous(), None,
+                       mxfp4.GROUP)
 
     @staticmethod
     def concat(parts: list[QWeight]) -> QWeight | None:
@@ -350,14 +382,23 @@ class QuantLinear(_QuantLayer):
             self._fast = self._triton(qw)
         elif cpu and qw.kind == "int" and qw.bits == 4:
             self._fast = self._int4(qw)
-        elif cpu and qw.kind == "int" and qw.activations == "int8-token" and qw.zero is None and qw.scale.shape[1] == 1:
-            self.q8 = qw.q.to(torch.int8).contiguous()
-            self.s8 = qw.scale[:, 0].to(device=device, dtype=dtype)
-            self.path, self._fast = "w8a8-int8pack", self._w8a8
         elif cpu and qw.kind == "int" and qw.bits == 8 and qw.zero is None and qw.scale.shape[1] == 1:
-            self.q8 = qw.q.to(torch.int8).contiguous()
-            self.s8 = qw.scale[:, 0].to(device=device, dtype=dtype)
-            self.path, self._fast = "int8-weight", self._int8
+            # int8 per row, weight-only or W8A8: the compiled kernel's int8 path, else torch's
+            w8a8 = qw.activations == "int8-token"
+            kernel = None if "int8_gemm" in library_kernels() else PackedBytes.of(qw.q, qw.scale, None, dtype)
+            self.int8: Callable[[torch.Tensor], torch.Tensor]
+            if kernel is not None:
+                self.int8 = kernel
+                self.path = "w8a8-kernel" if w8a8 else "int8-kernel"
+            else:
+                q8, s8 = qw.q.to(torch.int8).contiguous(), qw.scale[:, 0].to(device=device, dtype=dtype)
+                self.int8 = lambda x: torch._weight_int8pack_mm(x, q8, s8)
+                self.path = "w8a8-int8pack" if w8a8 else "int8-weight"
+            self._fast = self._w8a8 if w8a8 else self.int8
+        elif cpu and qw.kind == "fp8" and (packed := PackedBytes.of(qw.q, qw.scale, None, dtype)) is not None:
+            self.path, self._fast = "fp8-weight", packed
+        elif cpu and qw.kind == "mxfp4" and (fp4 := PackedMXFP4.of(qw.q, qw.scale, None, dtype)) is not None:
+            self.path, self._fast = "mxfp4-weight", fp4
         if self._fast is not None and not self._agrees(qw):
             self._fast, self.path = None, "reference"
         if self._fast is None:  # the reference path: quantized values in the smallest integer type
@@ -399,6 +440,8 @@ class QuantLinear(_QuantLayer):
 
         dev = self.device
         zero = qw.zero
+        if qw.kind == "mxfp4":  # no Triton kernel for it: the reference path
+            return None
         if qw.kind == "fp8":
             self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale.expand(-1, 1), qw.in_features
         elif qw.bits == 4:
@@ -428,13 +471,10 @@ class QuantLinear(_QuantLayer):
     def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
-    def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.q8, self.s8)
-
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         # the activations on their per-token int8 grid, then the int8 weights widened in the GEMM:
         # W8A8's result (products of int8 values, summed in float32)
-        return torch._weight_int8pack_mm(fake_quantize_tokens(x.float()).to(x.dtype), self.q8, self.s8)
+        return self.int8(fake_quantize_tokens(x.float()).to(x.dtype))
 
     def _agrees(self, qw: QWeight) -> bool:
         """The fast path against the dequantized weight on a probe (a kernel that misbehaves on this
@@ -463,13 +503,15 @@ class QuantLinear(_QuantLayer):
             qw = self.qw
             if qw.activations == "int8-token":
                 x2 = fake_quantize_tokens(x2.float()).to(x2.dtype)
-            w = qw.q.to(self.dtype) if qw.kind == "fp8" else qw.q.to(torch.float32)
             if qw.kind == "int":
+                w = qw.q.to(torch.float32)
                 if qw.zero is not None:
                     w = w - qw.zero.repeat_interleave(qw.group, dim=1)
                 w = (w * qw.scale.repeat_interleave(qw.group, dim=1)).to(self.dtype)
+            elif qw.kind == "fp8":
+                w = (qw.q.to(self.dtype).float() * qw.scale).to(self.dtype)
             else:
-                w = (w.float() * qw.scale).to(self.dtype)
+                w = qw.dequantize(self.dtype)
             y = F.linear(x2, w)
         if self.bias is not None:
             y = y + self.bias

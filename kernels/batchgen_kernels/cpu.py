@@ -116,6 +116,19 @@ SIGNATURES = {
     "gemm_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_bf16_widened": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
+    # w (FP8 bytes), n, k, out
+    "gemm_pack_fp8": (_INT, [_P, _I, _I, _P]),
+    # x, x row stride, m, k, packed FP8 w, n, scale (float32, times 2^8), bias (float32 or null), y,
+    # y row stride, threads
+    "gemm_fp8_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    "gemm_fp8_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    "gemm_int8_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    "gemm_int8_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    # blocks, exponents, n, k, out, scales
+    "gemm_pack_mxfp4": (_INT, [_P, _P, _I, _I, _P, _P]),
+    # x, x row stride, m, k, packed MXFP4 w, n, scales, bias (float32 or null), y, y row stride, threads
+    "gemm_mxfp4_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    "gemm_mxfp4_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
     "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_gated_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     # x, tokens, d, top_k, chosen, weights, experts, gate_up, gate_up bias, down, down bias, inter, out, threads
@@ -136,6 +149,7 @@ LIBRARY_ALTERNATIVES = {
     "block_ops": "index_copy_ / zero_ on the cache's blocks",
     "sampling": "torch's softmax, sort and multinomial",
     "beam_topk": "log_softmax, then torch.topk",
+    "int8_gemm": "torch._weight_int8pack_mm (int8 and W8A8 checkpoints)",
 }
 
 

@@ -35,6 +35,21 @@
 // block_bf16). Without AVX2 and FMA, the entry points return 1 and
 // the caller keeps oneDNN or F.linear; tests/model/test_linear.py checks every path the CPU has
 // against F.linear in float64.
+//
+// int8 weights (per-row scales) stay one byte each, packed [N/16][K][16], widened by the
+// conversion instructions; the epilogue multiplies each column by its scale and adds the bias.
+// FP8 weights (E4M3, a quantized checkpoint's, batchgen/model/quant.py) stay one byte each, packed
+// [N/16][K][16], and are widened in registers: a byte sign-extended to 16 bits, shifted left by 7
+// and masked is the float16 with the same sign, exponent field and mantissa (exponent bias 15, not
+// 7: the value times 2^-8, subnormals included), which F16C's conversion widens exactly to float32.
+// The products accumulate from zero; the epilogue multiplies each column by its scale times 2^8
+// and adds the bias. x is float32 or bf16, as the model's dtype.
+//
+// MXFP4 weights (gpt-oss's experts: E2M1 codes, a power-of-two scale per 32 inputs) stay half a
+// byte each, packed [N/16][K/2][16] (a byte holds a column's K pair, the first in the low nibble)
+// with float32 scales [N/16][K/32][16]. A code's float16 has one byte set: the high one, sign and
+// the code's 3 bits shifted by one (a table lookup, pshufb), 2^-14 times the code's value; the
+// scale, stored times 2^14, multiplies the widened vector before the FMAs.
 
 #include <algorithm>
 #include <cstdint>
@@ -56,6 +71,9 @@
 #define BATCHGEN_GEMM_F32 1  // on 8-float registers
 #define BATCHGEN_GEMM_BF16 1  // bf16 weights widened to float32 in registers, FMA products
 #endif
+#if defined(BATCHGEN_GEMM_F32) && defined(__F16C__)
+#define BATCHGEN_GEMM_FP8 1  // FP8 (E4M3) weights widened in registers through float16 (F16C)
+#endif
 
 #include <omp.h>
 
@@ -63,6 +81,11 @@
 #include "cpu_simd.h"
 
 namespace {
+
+// The packed MXFP4 layout's element: one column's K pair of E2M1 codes
+struct Fp4Pair {
+  uint8_t codes;
+};
 
 // bf16 GEMMs on AMX tiles where they run (gemm_amx turns them off for tests and benchmarks)
 [[maybe_unused]] bool amx_enabled = true;
@@ -358,6 +381,188 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 
 #endif
 
+#ifdef BATCHGEN_GEMM_FP8
+
+// 16 E4M3 bytes as 16 float16 values of 2^-8 times theirs (see the file's head)
+inline __m256i fp8_as_half(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+}
+
+// one row's 16-lane epilogue: y = acc * scale + bias, in O (bf16 rounded to nearest even)
+template <typename O>
+inline void fp8_store(const float* acc, const float* scale, const float* bias, O* y, int width) {
+  batchgen::v16 v = batchgen::load16(acc) * batchgen::load16(scale);
+  if (bias) v += batchgen::load16(bias);
+  alignas(64) O out[16];
+  batchgen::store16(out, v);
+  std::memcpy(y, out, width * sizeof(O));
+}
+
+// The high bytes of the float16 values of E2M1 codes 0-15 times 2^-14: sign, then the code's
+// exponent and mantissa bits one place up (the low byte is zero)
+inline __m128i fp4_half_table() {
+  return _mm_setr_epi8(0x00, 0x02, 0x04, 0x06, 0x08, 0x0a, 0x0c, 0x0e, static_cast<char>(0x80),
+                       static_cast<char>(0x82), static_cast<char>(0x84), static_cast<char>(0x86),
+                       static_cast<char>(0x88), static_cast<char>(0x8a), static_cast<char>(0x8c),
+                       static_cast<char>(0x8e));
+}
+
+// One K pair of 16 columns (16 bytes) as the high bytes of 16 float16 values each: ``first`` the
+// low nibbles' (the pair's first K), ``second`` the high nibbles'
+inline void fp4_high_bytes(const Fp4Pair* p, __m128i table, __m128i& first, __m128i& second) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0f);
+  first = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+  second = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+}
+
+#ifdef BATCHGEN_GEMM_AVX512
+
+// R rows x C column vectors of y = (x @ W^T) * scale + bias with W one byte a weight (vectors
+// vstride bytes apart): FP8 (W uint8_t) or int8 (W int8_t)
+template <int R, int C, typename T, typename W, typename O, bool Pf>
+inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t vstride, const float* scale,
+                        const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m512 acc[R][C];
+  start_from_bias<R, C>(acc, nullptr);
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    __m512 w[C];
+    for (int c = 0; c < C; ++c) {
+      const W* p = wp + c * vstride + i * 16;
+      if constexpr (std::is_same_v<W, int8_t>)
+        w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      else
+        w[c] = _mm512_cvtph_ps(fp8_as_half(p));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(batchgen::load(x + r * ldx + i));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xb, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float row[16];
+      _mm512_store_ps(row, acc[r][c]);
+      fp8_store(row, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+    }
+}
+
+// R rows x C column vectors of y = x @ W^T + bias with W MXFP4 (vectors vstride pairs apart, their
+// scales sstride floats apart)
+template <int R, int C, typename T, typename O, bool Pf>
+inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, int64_t vstride, const float* scale,
+                        int64_t sstride, const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m512 acc[R][C];
+  start_from_bias<R, C>(acc, bias);
+  const __m128i table = fp4_half_table();
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k / 2; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    __m512 w[2][C];
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_loadu_ps(scale + c * sstride + i / 16 * 16);
+      __m128i first, second;
+      fp4_high_bytes(wp + c * vstride + i * 16, table, first, second);
+      w[0][c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(first), 8)), s);
+      w[1][c] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(second), 8)), s);
+    }
+    for (int half = 0; half < 2; ++half)
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(batchgen::load(x + r * ldx + 2 * i + half));
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[half][c], xb, acc[r][c]);
+      }
+  }
+  const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float row[16];
+      _mm512_store_ps(row, acc[r][c]);
+      fp8_store(row, ones, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+    }
+}
+
+#else
+
+// block_bytes on AVX2: each 16-column vector's bytes widen to two 8-float registers
+template <int R, int C, typename T, typename W, typename O, bool Pf>
+inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t vstride, const float* scale,
+                        const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m256 acc[R][C][2];
+  start_from_bias<R, C>(acc, nullptr);
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(batchgen::load(x + r * ldx + i));
+    for (int c = 0; c < C; ++c) {
+      const W* p = wp + c * vstride + i * 16;
+      if constexpr (std::is_same_v<W, int8_t>) {
+        for (int h = 0; h < 2; ++h) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h * 8));
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+        }
+      } else {
+        const __m256i half = fp8_as_half(p);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 w = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
+          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[C * 16];
+    store_row<C>(acc[r], row);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      fp8_store(row + c * 16, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
+                c == C - 1 ? lastn : 16);
+  }
+}
+
+// block_mxfp4 on AVX2: per K pair, one pass over the columns with the first K's broadcasts, then
+// one with the second's (as the AVX2 block_bf16), each vector widened and scaled as it is used
+template <int R, int C, typename T, typename O, bool Pf>
+inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, int64_t vstride, const float* scale,
+                        int64_t sstride, const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  __m256 acc[R][C][2];
+  start_from_bias<R, C>(acc, bias);
+  const __m128i table = fp4_half_table();
+  const __m128i zero = _mm_setzero_si128();
+  int64_t countdown = pf.every;
+  for (int64_t i = 0; i < k / 2; ++i) {
+    if constexpr (Pf) prefetch_step(pf, countdown);
+    __m128i bytes[2][C];
+    for (int c = 0; c < C; ++c) fp4_high_bytes(wp + c * vstride + i * 16, table, bytes[0][c], bytes[1][c]);
+    for (int half = 0; half < 2; ++half) {
+      __m256 xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(batchgen::load(x + r * ldx + 2 * i + half));
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m128i halves = h ? _mm_unpackhi_epi8(zero, bytes[half][c]) : _mm_unpacklo_epi8(zero, bytes[half][c]);
+          const __m256 w = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_loadu_ps(scale + c * sstride + i / 16 * 16 + h * 8));
+          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+        }
+    }
+  }
+  const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[C * 16];
+    store_row<C>(acc[r], row);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) fp8_store(row + c * 16, ones, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+  }
+}
+
+#endif
+#endif
+
 #if defined(BATCHGEN_AMX) && defined(BATCHGEN_GEMM_BF16) && defined(BATCHGEN_GEMM_AVX512)
 #define BATCHGEN_GEMM_AMX 1
 
@@ -491,18 +696,34 @@ inline bool amx_gemm(int64_t k) { return k % 32 == 0 && batchgen::amx_permitted(
 
 // All m rows against C column vectors: full blocks of kRows, then the remainder, each block
 // prefetching its share of the next panel, [next, next_end). O: the output's type (T, or float for
-// bf16 widened).
+// bf16 widened). W: float, bf16 pairs (uint32_t) or FP8 bytes (uint8_t, with ``scale`` per column).
 template <typename T, typename W, int C, typename O, bool Gated>
 void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t vstride, const float* bias,
-                  O* y, int64_t ldy, int lastn, const W* next, const W* next_end) {
+                  O* y, int64_t ldy, int lastn, const W* next, const W* next_end, const float* scale) {
   const int64_t blocks = (m + kRows - 1) / kRows;
-  const int64_t steps = std::is_same_v<T, uint16_t> ? k / 2 : k;
+  const int64_t steps = std::is_same_v<W, uint32_t> || std::is_same_v<W, Fp4Pair> ? k / 2 : k;
   const char* lo = reinterpret_cast<const char*>(next);
   const char* hi = reinterpret_cast<const char*>(next_end);
   auto run = [&](auto rows, int64_t r) {
     constexpr int R = decltype(rows)::value;
     const Prefetch pf(lo, hi, r / kRows, blocks, steps);
     // with nothing to prefetch, the block without the prefetch's step in its K loop
+#ifdef BATCHGEN_GEMM_FP8
+    if constexpr (std::is_same_v<W, Fp4Pair>) {
+      static_assert(!Gated, "MXFP4 weights are not packed gated");
+      const int64_t sstride = k / 32 * 16;
+      if (pf.per)
+        block_mxfp4<R, C, T, O, true>(x + r * ldx, ldx, wp, k, vstride, scale, sstride, bias, y + r * ldy, ldy, lastn, pf);
+      else
+        block_mxfp4<R, C, T, O, false>(x + r * ldx, ldx, wp, k, vstride, scale, sstride, bias, y + r * ldy, ldy, lastn, pf);
+    } else if constexpr (std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t>) {
+      static_assert(!Gated, "FP8 and int8 weights are not packed gated");
+      if (pf.per)
+        block_bytes<R, C, T, W, O, true>(x + r * ldx, ldx, wp, k, vstride, scale, bias, y + r * ldy, ldy, lastn, pf);
+      else
+        block_bytes<R, C, T, W, O, false>(x + r * ldx, ldx, wp, k, vstride, scale, bias, y + r * ldy, ldy, lastn, pf);
+    } else
+#endif
 #ifdef BATCHGEN_GEMM_BF16
     if constexpr (std::is_same_v<T, uint16_t>) {
       if (pf.per)
@@ -534,14 +755,15 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
 // where Gated: n a multiple of 32, y [m, n / 2]). Called inside a parallel region.
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
-               const float* bias, O* y, int64_t ldy) {
+               const float* bias, O* y, int64_t ldy, const float* scale = nullptr) {
 #ifdef BATCHGEN_GEMM_AMX
-  if constexpr (std::is_same_v<T, uint16_t>)
+  if constexpr (std::is_same_v<W, uint32_t>)
     if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
 #endif
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
-  const int64_t vstride = std::is_same_v<T, uint16_t> ? k / 2 * 16 : k * 16;  // W elements per vector
+  constexpr bool pairs = std::is_same_v<W, uint32_t> || std::is_same_v<W, Fp4Pair>;  // an element holds a K pair
+  const int64_t vstride = pairs ? k / 2 * 16 : k * 16;  // W elements per vector
   // Prefetching the next panel pays where both panels stay in L2 beside x's rows; with more rows
   // (prefill chunks) a panel's reuse hides the first block's wait anyway, and the rows streaming
   // through L2 would evict the prefetched lines before their use.
@@ -557,15 +779,17 @@ void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, con
     const W* next = w + cn * vstride;
     const W* next_end = prefetch ? wp + std::min<int64_t>(hi, v + cn + kCols) * vstride : next;
     const float* b = bias ? bias + v * 16 : nullptr;
+    // FP8: a scale per column; MXFP4: per column and group of 32 inputs
+    const float* sc = scale ? scale + v * (std::is_same_v<W, Fp4Pair> ? k / 32 * 16 : 16) : nullptr;
     O* out = y + v / unit * 16;
     switch (cn) {
-      case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
-      case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end); break;
+      case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc); break;
+      case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc); break;
       case 3:
-        if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
+        if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc);
         break;
       default:
-        if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end);
+        if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc);
         break;
     }
   }
@@ -580,10 +804,12 @@ int threads_for(int64_t n, int threads) {
 
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
-          int64_t ldy, int threads) {
+          int64_t ldy, int threads, const float* scale = nullptr) {
   BG_EXPECT(x && wp && y && m >= 0 && k > 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
+  BG_EXPECT((std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t> || std::is_same_v<W, Fp4Pair>) ==
+            (scale != nullptr));
 #pragma omp parallel num_threads(threads_for<Gated>(n, threads))
-  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy);
+  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy, scale);
 }
 
 // A mixture-of-experts layer's experts (SwiGLU, gate_up packed gated) in one parallel region: the
@@ -766,6 +992,130 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// FP8 (E4M3) or int8 W [n, k] bytes into [ceil(n/16)][k][16] (columns past n zero).
+int gemm_pack_fp8(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
+#ifdef BATCHGEN_GEMM_FP8
+  const int64_t vectors = (n + 15) / 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < vectors; ++v)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t col = v * 16 + j;
+        out[(v * k + i) * 16 + j] = col < n ? w[col * k + i] : 0;
+      }
+  return 0;
+#else
+  (void)w, (void)n, (void)k, (void)out;
+  return 1;
+#endif
+}
+
+// y [m, n] = (x [m, k] @ W^T) * scale + bias with W packed FP8 (gemm_pack_fp8); scale: float32 per
+// column times 2^8 (the widening's factor), padded to whole vectors as the bias (or null).
+int gemm_fp8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                 const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  gemm<float, uint8_t, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+int gemm_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                  const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  gemm<uint16_t, uint8_t, uint16_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// y [m, n] = (x [m, k] @ W^T) * scale + bias with W int8 packed as gemm_pack_fp8 packs bytes;
+// scale: float32 per column (padded to whole vectors, as the bias)
+int gemm_int8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                  const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  gemm<float, int8_t, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+int gemm_int8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                   const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  gemm<uint16_t, int8_t, uint16_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// MXFP4 W: blocks [n, k / 2] (a byte: two E2M1 codes, the first in the low nibble) and biased
+// exponents [n, k / 32] into [ceil(n/16)][k/2][16] bytes and float32 scales [ceil(n/16)][k/32][16]
+// (2^(exponent - 127) times 2^14). 1 where k is not a multiple of 32 or an exponent is above 240
+// (a scale the widening's factor would overflow).
+int gemm_pack_mxfp4(const uint8_t* blocks, const uint8_t* exponents, int64_t n, int64_t k, uint8_t* out,
+                    float* scales) {
+#ifdef BATCHGEN_GEMM_FP8
+  if (k % 32) return 1;
+  for (int64_t i = 0; i < n * (k / 32); ++i)
+    if (exponents[i] > 240) return 1;
+  const int64_t vectors = (n + 15) / 16, groups = k / 32;
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < vectors; ++v) {
+    for (int64_t i = 0; i < k / 2; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t col = v * 16 + j;
+        out[(v * (k / 2) + i) * 16 + j] = col < n ? blocks[col * (k / 2) + i] : 0;
+      }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t col = v * 16 + j;
+        const uint32_t bits = col < n ? static_cast<uint32_t>(exponents[col * groups + g] + 14) << 23 : 0;
+        std::memcpy(scales + (v * groups + g) * 16 + j, &bits, sizeof bits);
+      }
+  }
+  return 0;
+#else
+  (void)blocks, (void)exponents, (void)n, (void)k, (void)out, (void)scales;
+  return 1;
+#endif
+}
+
+// y [m, n] = x [m, k] @ W^T + bias with W packed MXFP4 (gemm_pack_mxfp4's weights and scales)
+int gemm_mxfp4_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                   const float* scales, const float* bias, float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  if (k % 32) return 1;
+  gemm<float, Fp4Pair, float>(x, ldx, m, k, reinterpret_cast<const Fp4Pair*>(wp), n, bias, y, ldy, threads, scales);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+int gemm_mxfp4_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                    const float* scales, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_FP8
+  if (k % 32) return 1;
+  gemm<uint16_t, Fp4Pair, uint16_t>(x, ldx, m, k, reinterpret_cast<const Fp4Pair*>(wp), n, bias, y, ldy, threads,
+                                    scales);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)bias, (void)y, (void)ldy, (void)threads;
   return 1;
 #endif
 }

@@ -111,6 +111,110 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = F
     return PackedWeight(packed, n, k, b, dtype, gated)
 
 
+class PackedBytes:
+    """A weight of one byte a value, FP8 (E4M3) or int8, [n, k] with a float32 scale per output
+    column (or one for all), packed for the kernel and widened in its registers; calling it on
+    ``x`` [m, k] in ``dtype`` (float32 or bfloat16) gives ``(x @ (weight * scale).T + bias)`` in
+    that dtype."""
+
+    KINDS = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
+
+    def __init__(self, packed: torch.Tensor, n: int, k: int, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, kind: str):
+        self.packed, self.n, self.k, self.scale, self.bias, self.dtype = packed, n, k, scale, bias, dtype
+        self.kernel = f"gemm_{kind}"
+        self._gemm = getattr(load(), f"gemm_{kind}_" + DTYPE_SUFFIX[dtype])
+        self._bias_ptr = 0 if bias is None else bias.data_ptr()
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> PackedBytes | None:
+        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
+        without AVX2, FMA and F16C; a weight neither FP8 nor int8; ``dtype`` other than float32 /
+        bfloat16)."""
+        kind = cls.KINDS.get(weight.dtype)
+        if kind is None or weight.dim() != 2 or dtype not in DTYPE_SUFFIX or not available():
+            return None
+        n, k = weight.shape
+        if n == 0 or k == 0 or scale.numel() not in (1, n):
+            return None
+        vectors = (n + 15) // 16
+        packed = torch.empty(vectors * k * 16, dtype=weight.dtype)
+        if load().gemm_pack_fp8(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+            return None
+        # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
+        columns = torch.zeros(vectors * 16, dtype=torch.float32)
+        columns[:n] = scale.detach().to(torch.float32).reshape(-1).expand(n) * (256.0 if kind == "fp8" else 1.0)
+        b = None
+        if bias is not None:
+            b = torch.zeros(vectors * 16, dtype=torch.float32)
+            b[:n] = bias.detach().to(torch.float32)
+        return cls(packed, n, k, columns, b, dtype, kind)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        expect(self.kernel, "x", x, self.dtype, (None, self.k))
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty((m, self.n), dtype=self.dtype)
+        if m == 0:
+            return out
+        rc = self._gemm(x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n,
+                        self.scale.data_ptr(), self._bias_ptr, out.data_ptr(), self.n, torch.get_num_threads())
+        if rc:  # of() packed it, so only another build of the library gets here
+            raise KernelArgumentError(f"{self.kernel}: the library has no kernel for {self.dtype}")
+        return out
+
+
+class PackedMXFP4:
+    """An MXFP4 weight [n, k] (``blocks`` [n, k / 2] uint8, two E2M1 codes a byte, and ``exponents``
+    [n, k / 32] uint8, each group's biased power-of-two scale) packed for the kernel, half a byte a
+    weight, widened in registers; calling it on ``x`` [m, k] in ``dtype`` (float32 or bfloat16)
+    gives ``x @ weight.T + bias`` in that dtype."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        self.packed, self.scales, self.n, self.k, self.bias, self.dtype = packed, scales, n, k, bias, dtype
+        self._gemm = getattr(load(), "gemm_mxfp4_" + DTYPE_SUFFIX[dtype])
+        self._bias_ptr = 0 if bias is None else bias.data_ptr()
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, exponents: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> PackedMXFP4 | None:
+        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
+        without AVX2, FMA and F16C; ``dtype`` other than float32 / bfloat16; a scale above 2^113)."""
+        if blocks.dtype != torch.uint8 or exponents.dtype != torch.uint8 or blocks.dim() != 2:
+            return None
+        n, k = blocks.shape[0], blocks.shape[1] * 2
+        if dtype not in DTYPE_SUFFIX or n == 0 or k % 32 or exponents.shape != (n, k // 32) or not available():
+            return None
+        vectors = (n + 15) // 16
+        packed = torch.empty(vectors * (k // 2) * 16, dtype=torch.uint8)
+        scales = torch.empty(vectors * (k // 32) * 16, dtype=torch.float32)
+        if load().gemm_pack_mxfp4(blocks.contiguous().data_ptr(), exponents.contiguous().data_ptr(), n, k,
+                                  packed.data_ptr(), scales.data_ptr()):
+            return None
+        b = None
+        if bias is not None:
+            b = torch.zeros(vectors * 16, dtype=torch.float32)
+            b[:n] = bias.detach().to(torch.float32)
+        return cls(packed, scales, n, k, b, dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        expect("gemm_mxfp4", "x", x, self.dtype, (None, self.k))
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty((m, self.n), dtype=self.dtype)
+        if m == 0:
+            return out
+        rc = self._gemm(x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n,
+                        self.scales.data_ptr(), self._bias_ptr, out.data_ptr(), self.n, torch.get_num_threads())
+        if rc:  # of() packed it, so only another build of the library gets here
+            raise KernelArgumentError(f"gemm_mxfp4: the library has no MXFP4 kernel for {self.dtype}")
+        return out
+
+
 class PackedExperts:
     """A mixture-of-experts layer's routed SwiGLU experts on the kernel, in one call a layer:
     ``gate_up`` packed gated (``silu(gate) * up`` in the GEMM's pass), ``down`` plain. Calling it

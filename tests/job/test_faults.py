@@ -270,7 +270,7 @@ def test_a_second_job_on_the_same_output_is_refused(tmp_path, llama_dir):
 
 
 def test_workers_of_a_sharded_job_share_a_directory_but_not_an_index(tmp_path, llama_dir):
-    n = 300
+    n = 160
     spec = parquet_input(tmp_path, n)
     config = write_config(tmp_path, llama_dir, spec, GEN, output={"rows_per_shard": 4, "flush_seconds": 0.5}, **SLOW)
     out = tmp_path / "out"

@@ -18,6 +18,8 @@ from batchgen.model import mxfp4
 from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.model.loader import ModelLoadError
 from batchgen.tiny import make_model
+from batchgen.tiny_quant import quantize_gpt_oss_mxfp4
+from batchgen_kernels.cpu_gemm import PackedBytes
 from tests.oracle import hf_greedy, hf_model
 
 _rng = random.Random(9)
@@ -97,23 +99,9 @@ def test_longrope_switches_like_transformers_generate(tmp_path):
 
 
 def quantize_experts(src: Path, dst: Path) -> None:
-    """A gpt-oss checkpoint with MXFP4 experts (the hub's layout: ``*_blocks`` [E, out, in / 32, 16]
-    and ``*_scales`` [E, out, in / 32]) in ``dst``; ``src`` rewritten with the dequantized values."""
-    shutil.copytree(src, dst)
-    state = load_file(src / "model.safetensors")
-    quantized = {}
-    for name, tensor in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = mxfp4.quantize(tensor.transpose(1, 2))  # [E, out, in]
-            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
-            state[name] = mxfp4.dequantize(blocks, scales).transpose(1, 2).contiguous()
-        else:
-            quantized[name] = tensor
-    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
-    save_file(quantized, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
-    (dst / "config.json").write_text(json.dumps(config))
+    """A gpt-oss checkpoint with MXFP4 experts in ``dst``; ``src`` rewritten with the dequantized values."""
+    dequantized = quantize_gpt_oss_mxfp4(src, dst)
+    save_file({**load_file(src / "model.safetensors"), **dequantized}, src / "model.safetensors", metadata={"format": "pt"})
 
 
 def test_mxfp4_experts_dequantize_like_transformers(tmp_path):
@@ -131,9 +119,20 @@ def test_mxfp4_experts_dequantize_like_transformers(tmp_path):
     quantize_experts(float_dir, tmp_path / "gpt-oss-mxfp4")
     prompts = [[5, 9, 11], [_rng.randrange(3, 384) for _ in range(30)]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    q = LLM(str(tmp_path / "gpt-oss-mxfp4"), dtype="float32", device="cpu").generate(prompts, params)
-    for p, out in zip(prompts, q):
+    llm = LLM(str(tmp_path / "gpt-oss-mxfp4"), dtype="float32", device="cpu")
+    for p, out in zip(prompts, llm.generate(prompts, params)):
         assert out.outputs[0].token_ids == hf_greedy(str(float_dir), p, 8)
+    # the experts stay MXFP4: half a byte a weight and a scale per 32, no dequantized copy
+    model = llm.engine.runner.model
+    experts = [layer for layer in model.linears if getattr(layer, "path", "dense") != "dense"]
+    config = model.config
+    assert len(experts) == 2 * config.num_local_experts * config.num_hidden_layers
+    on_kernel = PackedBytes.of(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(1), None, torch.float32)
+    assert {layer.path for layer in experts} == {"mxfp4-weight" if on_kernel is not None else "reference"}
+    assert llm.stats()["quantization"] == "mxfp4"
+    for layer in experts:
+        held = layer._fast.packed if on_kernel is not None else layer.qw.q
+        assert held.dtype == torch.uint8 and held.numel() <= (layer.out_features + 15) // 16 * 16 * layer.in_features / 2
 
 
 def test_what_is_not_supported_is_named(tmp_path, llama_dir):

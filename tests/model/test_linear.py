@@ -394,3 +394,123 @@ def test_freed_memory_stays_in_the_process():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_memory() and keep_freed_memory()
+
+
+def fp8_kernel_runs() -> bool:
+    return cpu_gemm.PackedBytes.of(torch.zeros(16, 16, dtype=torch.float8_e4m3fn), torch.ones(1), None,
+                                 torch.float32) is not None
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
+@pytest.mark.parametrize("n", [5, 16, 88])
+def test_fp8_kernel_equals_the_widened_weight(dtype, rows, n):
+    """FP8 weights widened in registers: every one of the 256 E4M3 codes but NaN (subnormals, both
+    zeros, the largest) against the float64 product of the widened weight and its per-column or
+    per-tensor scale; column tails short of a vector, row remainders of the register block."""
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    k = 48
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    codes[0, : min(k, 8)] = torch.arange(min(k, 8), dtype=torch.uint8)  # the subnormals and zero
+    codes[codes & 0x7F == 0x7F] = 0x7E  # no NaN
+    w = codes.view(torch.float8_e4m3fn)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
+    for scale in (torch.rand(n, generator=gen) + 0.5, torch.tensor([0.01])):
+        packed = cpu_gemm.PackedBytes.of(w, scale, bias if n % 2 else None, dtype)
+        assert packed is not None
+        got = packed(x)
+        want = x.double() @ (w.double() * scale.double().reshape(-1, 1)).T
+        if n % 2:
+            want = want + bias.double()
+        assert got.shape == (rows, n) and got.dtype == dtype
+        if rows:
+            rel = 1e-5 if dtype == torch.float32 else 2 ** -8  # bf16: the output's rounding
+            assert (got.double() - want).abs().max() <= rel * want.abs().max()
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled int8 GEMM kernel on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
+@pytest.mark.parametrize("n", [5, 16, 88])
+def test_int8_kernel_equals_the_widened_weight(dtype, rows, n):
+    """int8 weights widened in registers, every value from -128 to 127, per-column or one scale."""
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    k = 48
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    q.view(-1)[:256] = torch.arange(-128, 128, dtype=torch.int8)[: q.numel()]
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]
+    for scale in (torch.rand(n, generator=gen) + 0.5, torch.tensor([0.01])):
+        packed = cpu_gemm.PackedBytes.of(q, scale, bias if n % 2 else None, dtype)
+        assert packed is not None and packed.kernel == "gemm_int8"
+        got = packed(x)
+        want = x.double() @ (q.double() * scale.double().reshape(-1, 1)).T
+        if n % 2:
+            want = want + bias.double()
+        assert got.shape == (rows, n) and got.dtype == dtype
+        if rows:
+            rel = 1e-5 if dtype == torch.float32 else 2**-8
+            assert (got.double() - want).abs().max() <= rel * want.abs().max()
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
+def test_fp8_kernel_refuses_what_it_cannot_take():
+    w = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
+    assert cpu_gemm.PackedBytes.of(w.float(), torch.ones(1), None, torch.float32) is None  # not FP8 nor int8
+    assert cpu_gemm.PackedBytes.of(w.view(torch.uint8), torch.ones(1), None, torch.float32) is None
+    assert cpu_gemm.PackedBytes.of(w, torch.ones(3), None, torch.float32) is None  # scales for 3 of 16 columns
+    assert cpu_gemm.PackedBytes.of(w, torch.ones(1), None, torch.float16) is None
+    packed = cpu_gemm.PackedBytes.of(w, torch.ones(16), None, torch.bfloat16)
+    with pytest.raises(cpu_gemm.KernelArgumentError, match="gemm_fp8: x must be bfloat16, got float32"):
+        packed(torch.zeros(2, 32))
+    with pytest.raises(cpu_gemm.KernelArgumentError, match=r"gemm_fp8: x must have shape \[\*, 32\]"):
+        packed(torch.zeros(2, 31, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / MXFP4 GEMM kernel on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
+@pytest.mark.parametrize("n", [5, 16, 88])
+def test_mxfp4_kernel_equals_the_widened_weight(dtype, rows, n):
+    """MXFP4 weights widened in registers: all 16 E2M1 codes in both nibbles, group scales from
+    2^-20 to 2^10 (biased exponents 107-137) and the extremes the kernel takes (0 and 240), against
+    the float64 product of ``mxfp4.dequantize``'s weight."""
+    from batchgen.model import mxfp4
+
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    k = 96
+    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    blocks[0, :16] = torch.arange(16, dtype=torch.uint8) * 17  # code c in both nibbles
+    exponents = torch.randint(107, 138, (n, k // 32), generator=gen, dtype=torch.uint8)
+    exponents[-1, 0] = 0
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
+    packed = cpu_gemm.PackedMXFP4.of(blocks, exponents, bias, dtype)
+    assert packed is not None
+    weight = mxfp4.dequantize(blocks.view(n, k // 32, 16), exponents).view(n, k)
+    want = x.double() @ weight.double().T
+    if bias is not None:
+        want = want + bias.double()
+    got = packed(x)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if rows:
+        rel = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output's rounding
+        assert (got.double() - want).abs().max() <= rel * want.abs().max()
+    exponents[0, 0] = 240
+    big = cpu_gemm.PackedMXFP4.of(blocks, exponents, None, torch.float32)
+    assert big is not None and torch.isfinite(big(x.float())).all()
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / MXFP4 GEMM kernel on this CPU")
+def test_mxfp4_kernel_refuses_what_it_cannot_take():
+    blocks, exponents = torch.zeros(16, 32, dtype=torch.uint8), torch.full((16, 2), 127, dtype=torch.uint8)
+    assert cpu_gemm.PackedMXFP4.of(blocks, exponents, None, torch.float32) is not None
+    assert cpu_gemm.PackedMXFP4.of(blocks[:, :24], exponents, None, torch.float32) is None  # 48 inputs
+    assert cpu_gemm.PackedMXFP4.of(blocks, exponents[:, :1], None, torch.float32) is None  # scales for half
+    assert cpu_gemm.PackedMXFP4.of(blocks, exponents.int(), None, torch.float32) is None
+    assert cpu_gemm.PackedMXFP4.of(blocks, exponents.fill_(241), None, torch.float32) is None  # 2^114: overflows
+    packed = cpu_gemm.PackedMXFP4.of(blocks, exponents.fill_(127), None, torch.bfloat16)
+    with pytest.raises(cpu_gemm.KernelArgumentError, match=r"gemm_mxfp4: x must have shape \[\*, 64\]"):
+        packed(torch.zeros(2, 32, dtype=torch.bfloat16))

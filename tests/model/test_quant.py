@@ -22,12 +22,14 @@ from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.model import quant
 from batchgen.tiny import make_model
 from batchgen.tiny_quant import quantize_model
+from batchgen_kernels.cpu_gemm import PackedBytes
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [3, 4, 40, 50], [7, 100, 200, 17]]
 CASES = {
     "gptq-4bit-g32-sym": ("gptq", dict(bits=4, group=32), 5e-3),
     "gptq-4bit-g32-asym-desc_act": ("gptq", dict(bits=4, group=32, sym=False, desc_act=True), 5e-3),
+    "gptq_v2-4bit-g32-asym": ("gptq", dict(bits=4, group=32, sym=False, v2=True), 5e-3),
     "gptq-4bit-per-row": ("gptq", dict(bits=4, group=-1), 5e-3),
     "gptq-8bit-g32-asym": ("gptq", dict(bits=8, group=32, sym=False), 2e-3),
     "gptq-8bit-per-row": ("gptq", dict(bits=8, group=-1), 2e-3),
@@ -48,10 +50,10 @@ def _nibbles(words: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([(u >> (bits * k)) & (2**bits - 1) for k in range(32 // bits)], axis=-1)
 
 
-def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    if fmt == "gptq":  # qweight [in/per, out] along the inputs; qzeros [groups, out/per] along the outputs, minus 1
+def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False) -> torch.Tensor:
+    if fmt == "gptq":  # qweight [in/per, out] along the inputs; qzeros [groups, out/per] along the outputs, minus 1 (v1)
         q = np.moveaxis(_nibbles(t["qweight"].numpy(), bits), -1, 1).reshape(-1, t["qweight"].shape[1])
-        z = _nibbles(t["qzeros"].numpy(), bits).reshape(t["qzeros"].shape[0], -1) + 1
+        z = _nibbles(t["qzeros"].numpy(), bits).reshape(t["qzeros"].shape[0], -1) + (0 if v2 else 1)
         g = t["g_idx"].numpy().astype(np.int64)
         w = (q - z[g]) * t["scales"].float().numpy()[g]
         return torch.from_numpy(w.T.astype(np.float32))
@@ -82,7 +84,7 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     tensors, deq = quantize_weight(w, fmt, **opts)
     bits = 8 if fmt in ("ct-int8", "ct-w8a8", "ct-fp8") else opts.get("bits", 4)
-    assert torch.allclose(dequantize(fmt, tensors, bits), deq, atol=1e-6)
+    assert torch.allclose(dequantize(fmt, tensors, bits, opts.get("v2", False)), deq, atol=1e-6)
     # close to the weight it encodes: within half a step of its grid (fp8: 3 mantissa bits)
     bound = {4: 1 / 14, 8: 1 / 250}[bits] if fmt != "ct-fp8" else 1 / 16
     assert (deq - w).abs().max() / w.abs().max() < bound
@@ -91,6 +93,28 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
     named = {f"p.{k}": v for k, v in tensors.items()}
     qw = qfmt.read(lambda n: named.pop(n), lambda n: n in named, "p")
     assert torch.allclose(qw.dequantize(), deq, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")  # run_compressed=False: decompress at load
+@pytest.mark.parametrize("case", ["ct-int4-g32", "ct-int8-per-row", "ct-w8a8", "ct-fp8-tensor", "ct-fp8-per-row"])
+def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path, case):
+    """The compressed-tensors writer against the format's own package: transformers with
+    ``compressed-tensors`` decompresses the checkpoint to the same weights as the writer's
+    dequantized ones (and so as batchgen's reader, checked above)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    fmt, opts, _ = CASES[case]
+    src = make_model(tmp_path / "src", "llama", seed=2)
+    dequantized = quantize_model(src, tmp_path / "q", fmt, **opts)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "q"), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    )
+    state = model.state_dict()
+    assert dequantized and set(dequantized) <= set(state)
+    for name, want in dequantized.items():
+        assert torch.allclose(state[name].float(), want, rtol=1e-3, atol=1e-6), name
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +201,36 @@ def test_llama_in_each_format_equals_the_dequantized_oracle(llama_src, tmp_path,
     assert failures(path, oracle, tol, stats=stats) == []
     assert stats["quantization"] == CASES[case][0].split("-")[0].replace("ct", "compressed-tensors")
     assert "dense x 1" in stats["quantized_paths"]  # the LM head; every projection quantized
+    if case in KERNEL_PATHS and byte_kernel_runs():  # widened in the compiled GEMM kernel's registers
+        assert stats["quantized_paths"] == f"dense x 1, {KERNEL_PATHS[case]} x 8"  # 2 layers: qkv, o, gate_up, down
+
+
+def byte_kernel_runs() -> bool:
+    return PackedBytes.of(torch.zeros(16, 16, dtype=torch.int8), torch.ones(1), None, torch.float32) is not None
+
+
+# the formats the compiled GEMM kernel runs (where it builds: AVX2 with FMA and F16C, or AVX-512)
+KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "ct-int8-per-row": "int8-kernel",
+                "ct-w8a8": "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
+
+
+@pytest.mark.skipif(not byte_kernel_runs(), reason="no compiled int8 GEMM kernel on this CPU")
+def test_int8_falls_back_to_torchs_gemm_when_told(llama_src, tmp_path, monkeypatch):
+    """``BATCHGEN_LIBRARY_KERNELS=int8_gemm``: int8 and W8A8 run on ``torch._weight_int8pack_mm``
+    (what the kernel's gain is measured against), still equal to the oracle."""
+    from batchgen_kernels import cpu
+
+    monkeypatch.setenv("BATCHGEN_LIBRARY_KERNELS", "int8_gemm")
+    cpu.library_kernels.cache_clear()
+    try:
+        for case, path in (("ct-w8a8", "w8a8-int8pack"), ("ct-int8-per-row", "int8-weight")):
+            q, oracle, tol = build(llama_src, tmp_path / case, case)
+            stats: dict = {}
+            assert failures(q, oracle, tol, beams=False, stats=stats) == []
+            assert stats["quantized_paths"] == f"dense x 1, {path} x 8"
+    finally:
+        monkeypatch.delenv("BATCHGEN_LIBRARY_KERNELS")
+        cpu.library_kernels.cache_clear()
 
 
 # (W8A8 is not among them: transformers runs a MoE's experts as one fused module, so the oracle
