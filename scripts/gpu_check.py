@@ -260,6 +260,21 @@ def check_quant_gemm(bw: float, rows: list) -> None:
         ms = triton.testing.do_bench(lambda args=args: quant_gemm(*args), warmup=25, rep=200, return_mode="median")
         nbytes = packed.numel() * packed.element_size() + scale.numel() * 8 + x.numel() * 2 + m * n * 2
         rows.append({**kernel_row(f"quant_gemm {kind} 64 x 2048 -> 16384", err < 1e-2, ms, nbytes, bw), "rel_err": err})
+    # FP8 x FP8 on torch._scaled_mm (checkpoints with dynamic per-token FP8 activations), where the
+    # device has it: QuantLinear's path against the same product of the FP8-rounded activations
+    from batchgen.model.quant import QuantLinear, QWeight, fp8_tokens
+
+    qw = QWeight("fp8", 8, packed.cpu(), scale[:, :1].cpu(), None, k, activations="fp8-token")
+    layer = QuantLinear(qw, None, torch.device("cuda"), torch.bfloat16)
+    if layer.path == "fp8-scaled-mm":
+        xq, xs = fp8_tokens(x.float())
+        want = (xq.float() * xs) @ (packed.float() * scale[:, :1]).T
+        err = rel_err(layer(x), want)
+        ms = triton.testing.do_bench(lambda: layer(x), warmup=25, rep=200, return_mode="median")
+        nbytes = packed.numel() + x.numel() * 2 + m * n * 2
+        rows.append({**kernel_row("_scaled_mm fp8 x fp8 64 x 2048 -> 16384", err < 2e-2, ms, nbytes, bw), "rel_err": err})
+    else:
+        rows.append({"kernel": "_scaled_mm fp8 x fp8", "error": f"not used on this device (path {layer.path})"})
 
 
 def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:

@@ -16,7 +16,9 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
   the int8 x int8 GEMM, kept a weight-sized buffer per layer on the CPU: twice the memory);
 - FP8 (E4M3) weights: the compiled GEMM kernel's FP8 path (``PackedBytes`` again, widened through
   float16; torch's ``_scaled_mm`` on the CPU quantizes the activations to FP8 too and ran 10x
-  slower than a bf16 GEMM here);
+  slower than a bf16 GEMM here); on a GPU with FP8 tensor cores, checkpoints with dynamic
+  per-token FP8 activations run ``torch._scaled_mm`` (activations quantized per token, as vLLM
+  runs them; ``FP8_SCALED_MM``); elsewhere FP8 is weight-only (activations in the model's dtype);
 - MXFP4 (gpt-oss's experts): the compiled kernel's MXFP4 path (``PackedMXFP4``: half a byte a
   weight and a float32 scale per 32, widened in registers);
 - anything else (other group sizes, 8-bit groups, a CPU without the compiled kernels, a device
@@ -64,7 +66,9 @@ class QWeight:
     zero: torch.Tensor | None  # float32 [out, groups] in q's units, None = 0
     group: int  # inputs per group (the input width for one group per row)
     perm: torch.Tensor | None = None  # input channel order (x[:, perm]) that makes groups contiguous
-    activations: str | None = None  # "int8-token": activations quantized per token (W8A8)
+    # "int8-token": activations quantized per token (W8A8); "fp8-token": FP8 per token, where the
+    # device multiplies FP8 by FP8 (``FP8_SCALED_MM``), weight-only elsewhere
+    activations: str | None = None
 
     @property
     def out_features(self) -> int:
@@ -218,6 +222,10 @@ class QuantFormat:
         elif fmt == "float-quantized":
             if kind != "float" or bits != 8 or strategy == "group":
                 raise QuantError(f"{where}: FP8 (float, 8 bits) per tensor or per channel is supported")
+            if acts and acts.get("type") == "float" and acts.get("num_bits") == 8 and acts.get("dynamic") and (
+                acts.get("strategy") == "token"
+            ):
+                activations = "fp8-token"
         else:
             raise QuantError(
                 f"quantization_config.format={fmt!r}: pack-quantized, int-quantized or float-quantized is supported"
@@ -320,7 +328,7 @@ class QuantFormat:
         if scale.dim() != 2 or scale.shape[0] != out:
             raise QuantError(f"{name}.weight_scale: shape {tuple(scale.shape)} does not fit {out} rows")
         if self.ct_format == "float-quantized":
-            return QWeight("fp8", 8, q.contiguous(), scale, None, inp)
+            return QWeight("fp8", 8, q.contiguous(), scale, None, inp, activations=self.activations)
         group = self._group(name, inp, scale.shape[1])
         zero = None
         if zero_point is not None and not self.sym:
@@ -378,7 +386,9 @@ class QuantLinear(_QuantLayer):
         self.path = "reference"
         self._fast: Any = None
         cpu = device.type == "cpu"
-        if triton if triton is not None else device.type == "cuda":
+        if qw.kind == "fp8" and qw.activations == "fp8-token" and scaled_mm_runs(device, dtype, qw):
+            self._fast = self._fp8_scaled(qw)
+        elif triton if triton is not None else device.type == "cuda":
             self._fast = self._triton(qw)
         elif cpu and qw.kind == "int" and qw.bits == 4:
             self._fast = self._int4(qw)
@@ -434,6 +444,23 @@ class QuantLinear(_QuantLayer):
         self.path = "int4-weight"
         return self._int4_mm
 
+    def _fp8_scaled(self, qw: QWeight):
+        """FP8 x FP8 on ``torch._scaled_mm``: the activations quantized to FP8 per token (the
+        checkpoint's dynamic per-token scheme), the weight as stored, both scales per row."""
+        self.w8 = qw.q.to(self.device)
+        self.w8_scale = qw.scale.reshape(1, -1).expand(1, qw.out_features).float().contiguous().to(self.device)
+        self.path = "fp8-scaled-mm"
+        return self._fp8_scaled_mm
+
+    def _fp8_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.device.type == "cuda" and rows % 16:  # the FP8 GEMM takes whole 16-row tiles
+            x = F.pad(x, (0, 0, 0, 16 - rows % 16))
+        xq, scale = fp8_tokens(x.float())
+        out_dtype = self.dtype if self.device.type == "cpu" else torch.bfloat16
+        y = torch._scaled_mm(xq, self.w8.t(), scale_a=scale, scale_b=self.w8_scale, out_dtype=out_dtype)
+        return y[:rows].to(self.dtype)
+
     def _triton(self, qw: QWeight):
         """The Triton kernel's layout: int4 two per byte, int8 as is, FP8 as is; float32 scales and zeros."""
         from batchgen_kernels.quant_gemm import pack_int4  # noqa: PLC0415
@@ -484,7 +511,12 @@ class QuantLinear(_QuantLayer):
             got = self._fast(probe if qw.perm is None else probe[:, qw.perm].contiguous()).float()
         except RuntimeError:
             return False
-        x = fake_quantize_tokens(probe.float()) if qw.activations == "int8-token" else probe.float()
+        x = probe.float()
+        if qw.activations == "int8-token":
+            x = fake_quantize_tokens(x)
+        elif self.path == "fp8-scaled-mm":
+            xq, scale = fp8_tokens(x)
+            x = xq.float() * scale
         rows = slice(0, 256)  # the first rows: a whole dequantized weight would double the load's peak
         head = replace(qw, q=qw.q[rows], scale=qw.scale[rows], zero=None if qw.zero is None else qw.zero[rows])
         want = x @ head.dequantize().T
@@ -516,6 +548,29 @@ class QuantLinear(_QuantLayer):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, y.shape[-1])
+
+
+# FP8 x FP8 GEMMs for checkpoints with dynamic per-token FP8 activations: None = where the device
+# has them (CUDA compute capability 8.9 or later, bf16 models), True also elsewhere (tests on the CPU)
+FP8_SCALED_MM: bool | None = None
+_FP8_MAX = 448.0  # E4M3's largest finite value
+
+
+def scaled_mm_runs(device: torch.device, dtype: torch.dtype, qw: QWeight) -> bool:
+    """Whether ``torch._scaled_mm`` runs ``qw`` (FP8) here: see ``FP8_SCALED_MM``."""
+    if FP8_SCALED_MM is not None:
+        return FP8_SCALED_MM
+    return (
+        device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 9)
+        and qw.in_features % 16 == 0 and qw.out_features % 16 == 0
+    )
+
+
+def fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] float32 as FP8 (E4M3) per token: values [T, in] and float32 scales [T, 1] with
+    x ~ values * scale (scale: max|x| / 448)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / _FP8_MAX
+    return (x / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:

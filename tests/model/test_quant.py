@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
@@ -127,28 +128,57 @@ def moe_src(tmp_path_factory) -> str:
     return str(make_model(tmp_path_factory.mktemp("q") / "moe", "qwen3_moe", seed=4, moe_intermediate_size=64))
 
 
-def build(src: str, tmp: Path, case: str):
+def build(src: str, tmp: Path, case: str, activations: str | None = None):
+    """The checkpoint of ``case``, its oracle (``activations``: "int8" / "fp8", each projection's
+    input rounded per token as the engine rounds it; W8A8: int8) and the log-probability tolerance."""
     fmt, opts, tol = CASES[case]
     quantize_model(src, tmp / "q", fmt, oracle=tmp / "oracle", **opts)
-    return str(tmp / "q"), oracle_model(str(tmp / "oracle"), fmt == "ct-w8a8"), tol
+    return str(tmp / "q"), oracle_model(str(tmp / "oracle"), activations or ("int8" if fmt == "ct-w8a8" else None)), tol
 
 
-def oracle_model(path: str, fake_quant_activations: bool):
+def oracle_model(path: str, fake_quant_activations: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     capped = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) is not None
     kwargs = {"attn_implementation": "eager"} if capped else {}  # soft-capping exists only in eager attention
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-    if fake_quant_activations:  # W8A8: each projection's input rounded to its per-token int8 grid
-        def round_tokens(_module, args):
-            x = args[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager",
+                                                 **kwargs).eval()
+    if fake_quant_activations:  # each projection's input rounded per token: to int8 (W8A8) or FP8 (E4M3)
+        def round_rows(x):
+            if fake_quant_activations == "fp8":
+                s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+                return (x / s).to(torch.float8_e4m3fn).float() * s
             s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
-            return (torch.round(x / s).clamp(-128, 127) * s,)
+            return torch.round(x / s).clamp(-128, 127) * s
 
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in LINEARS:
-                module.register_forward_pre_hook(round_tokens)
+                module.register_forward_pre_hook(lambda _module, args: (round_rows(args[0]),))
+        round_expert_inputs(model, round_rows)
     return model
+
+
+def round_expert_inputs(model, round_rows) -> None:
+    """A MoE's experts are one fused module (3D parameters, each expert's GEMMs ``F.linear`` calls on
+    slices of them, in its eager implementation): during the model's forward, ``F.linear`` rounds
+    the input of every call on an expert's weight, row by row (a row is a token's, for one expert)."""
+    experts = {p.untyped_storage().data_ptr() for n, p in model.named_parameters()
+               if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    if not experts:
+        return
+    linear, forward = F.linear, model.forward
+
+    def rounded_linear(x, weight, bias=None):
+        return linear(round_rows(x) if weight.untyped_storage().data_ptr() in experts else x, weight, bias)
+
+    def rounded_forward(*args, **kwargs):
+        F.linear = rounded_linear
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            F.linear = linear
+
+    model.forward = rounded_forward
 
 
 @torch.no_grad()
@@ -214,6 +244,18 @@ KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "
                 "ct-w8a8": "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
 
 
+@pytest.mark.parametrize("case", ["ct-fp8-tensor", "ct-fp8-per-row"])
+def test_fp8_with_fp8_activations_on_scaled_mm(llama_src, tmp_path, monkeypatch, case):
+    """Where the device multiplies FP8 by FP8 (forced here on the CPU, where torch runs it too),
+    the checkpoint's dynamic per-token FP8 activations are kept: ``torch._scaled_mm`` equals the
+    oracle whose projections' inputs are rounded to FP8 per token."""
+    monkeypatch.setattr(quant, "FP8_SCALED_MM", True)
+    path, oracle, tol = build(llama_src, tmp_path, case, activations="fp8")
+    stats: dict = {}
+    assert failures(path, oracle, tol, stats=stats) == []
+    assert stats["quantized_paths"] == "dense x 1, fp8-scaled-mm x 8"
+
+
 @pytest.mark.skipif(not byte_kernel_runs(), reason="no compiled int8 GEMM kernel on this CPU")
 def test_int8_falls_back_to_torchs_gemm_when_told(llama_src, tmp_path, monkeypatch):
     """``BATCHGEN_LIBRARY_KERNELS=int8_gemm``: int8 and W8A8 run on ``torch._weight_int8pack_mm``
@@ -233,9 +275,7 @@ def test_int8_falls_back_to_torchs_gemm_when_told(llama_src, tmp_path, monkeypat
         cpu.library_kernels.cache_clear()
 
 
-# (W8A8 is not among them: transformers runs a MoE's experts as one fused module, so the oracle
-# cannot round the experts' inputs per token as the engine does)
-@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym", "awq-4bit-g32", "ct-int8-per-row", "ct-fp8-per-row"])
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym", "awq-4bit-g32", "ct-int8-per-row", "ct-w8a8", "ct-fp8-per-row"])
 def test_moe_experts_in_each_format_equal_the_dequantized_oracle(moe_src, tmp_path, case):
     path, oracle, tol = build(moe_src, tmp_path, case)
     assert failures(path, oracle, tol) == []
