@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from batchgen.model import mxfp4
 from batchgen_kernels.cpu import library_kernels
 from batchgen_kernels.cpu_gemm import PackedBytes, PackedMXFP4
+from batchgen_kernels.cpu_ops import round_tokens_int8
 
 # AWQ's GEMM layout stores the 8 values of an int32 in this column order (AutoAWQ's pack order)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -499,8 +500,11 @@ class QuantLinear(_QuantLayer):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        # the activations on their per-token int8 grid, then the int8 weights widened in the GEMM:
-        # W8A8's result (products of int8 values, summed in float32)
+        # the activations on their per-token int8 grid (one compiled pass with the kernel, torch's
+        # operators otherwise), then the int8 weights widened in the GEMM: W8A8's result (products
+        # of int8 values, summed in float32)
+        if self.path == "w8a8-kernel":
+            return self.int8(round_tokens_int8(x))
         return self.int8(fake_quantize_tokens(x.float()).to(x.dtype))
 
     def _agrees(self, qw: QWeight) -> bool:

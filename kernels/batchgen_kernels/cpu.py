@@ -91,6 +91,9 @@ SIGNATURES = {
     # gate_up, rows, inter, out, threads
     "silu_mul_f32": (None, [_P, _I, _I, _P, _INT]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, _INT]),
+    # x, rows, dim, out, threads
+    "round_tokens_int8_f32": (None, [_P, _I, _I, _P, _INT]),
+    "round_tokens_int8_bf16": (None, [_P, _I, _I, _P, _INT]),
     # k, k token stride, v, v token stride, k_cache, v_cache, slots, tokens, kv_heads, bytes, slots per head
     "kv_write": (_INT, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I]),
     # cache, planes, blocks per plane, bytes per block, src, dst, pairs, threads
@@ -149,7 +152,7 @@ LIBRARY_ALTERNATIVES = {
     "block_ops": "index_copy_ / zero_ on the cache's blocks",
     "sampling": "torch's softmax, sort and multinomial",
     "beam_topk": "log_softmax, then torch.topk",
-    "int8_gemm": "torch._weight_int8pack_mm (int8 and W8A8 checkpoints)",
+    "int8_gemm": "torch._weight_int8pack_mm, W8A8's activations rounded by torch (int8 and W8A8 checkpoints)",
 }
 
 

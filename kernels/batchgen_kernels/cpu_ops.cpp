@@ -1,6 +1,7 @@
 // The decoder layer's elementwise steps on the CPU, one pass each where torch takes several
-// operators (and as many temporaries): RMSNorm, the SwiGLU unit and rotary embeddings; and the
-// store of each token's keys and values into its KV-cache slot.
+// operators (and as many temporaries): RMSNorm, the SwiGLU unit and rotary embeddings, W8A8's
+// per-token rounding of a projection's input; and the store of each token's keys and values into
+// its KV-cache slot.
 //
 // Each keeps torch's rounding: in bfloat16 every intermediate that torch rounds to bf16 is
 // rounded here at the same point (the normalized row before the weight, silu(gate) before the
@@ -8,6 +9,8 @@
 // to the order of a sum (RMSNorm's mean of squares) and the exponential's last bits.
 // batchgen/model/layers.py's torch code is the reference (tests/model/test_cpu_ops.py).
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpu_simd.h"
@@ -107,6 +110,26 @@ void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out, int threads
       store16(o + i, s * load16(u + i));
     }
     for (int64_t i = full; i < inter; ++i) store(o + i, rounded<T>(silu(load(g + i))) * load(u + i));
+  }
+}
+
+// Each row of x [rows, dim] rounded to its int8 grid and back (W8A8's dynamic per-token activation
+// quantization): s = max(max|x|, 1e-8) / 127, out = nearest-even(x / s) * s in float32, stored as T;
+// the same operations, in the same order, as batchgen/model/quant.py's fake_quantize_tokens.
+template <typename T>
+void round_tokens_int8(const T* x, int64_t rows, int64_t dim, T* out, int threads) {
+  BG_EXPECT(x && out && rows >= 0 && dim > 0 && threads > 0);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(load(xr + i)));
+    const float s = std::max(amax, 1e-8f) / 127.0f;
+    T* o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float q = std::min(std::max(std::nearbyint(load(xr + i) / s), -128.0f), 127.0f);
+      store(o + i, q * s);
+    }
   }
 }
 
@@ -220,6 +243,12 @@ void silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, float* out,
 }
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t inter, uint16_t* out, int threads) {
   silu_mul<uint16_t>(gate_up, rows, inter, out, threads);
+}
+void round_tokens_int8_f32(const float* x, int64_t rows, int64_t dim, float* out, int threads) {
+  round_tokens_int8<float>(x, rows, dim, out, threads);
+}
+void round_tokens_int8_bf16(const uint16_t* x, int64_t rows, int64_t dim, uint16_t* out, int threads) {
+  round_tokens_int8<uint16_t>(x, rows, dim, out, threads);
 }
 void rotary_f32(const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
                 int64_t dim, float* out, int threads) {

@@ -86,6 +86,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def round_tokens_int8(x: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x`` [rows, dim] rounded to its int8 grid (scale max|x| / 127) and back, in one
+    pass: W8A8's dynamic per-token activation quantization, as ``quant.fake_quantize_tokens``."""
+    expect("round_tokens_int8", "x", x, tuple(DTYPE_SUFFIX), (None, None))
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0] and x.shape[1]:
+        fn = getattr(load(), "round_tokens_int8_" + DTYPE_SUFFIX[x.dtype])
+        fn(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [tokens, heads, dim] (heads contiguous; tokens may be strided,
     as in a view of the fused qkv output) by ``cos`` / ``sin`` [tokens, dim]: a new contiguous tensor."""

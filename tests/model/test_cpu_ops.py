@@ -155,6 +155,26 @@ def test_block_copies_and_zeroing(dtype):
     assert torch.equal(cache, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 7), (5, 576), (300, 1536)])
+def test_w8a8_rounding_of_tokens_equals_torchs_bit_for_bit(dtype, rows, dim):
+    """W8A8's per-token rounding of a projection's input: the same operations in the same order as
+    ``quant.fake_quantize_tokens``, so every value equals it exactly (an all-zero row included,
+    rows whose scales span six orders of magnitude, values on a rounding tie)."""
+    from batchgen.model.quant import fake_quantize_tokens
+
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=gen) * torch.logspace(-4, 2, rows)[:, None]
+    x[0, :2] = torch.tensor([127.0, 0.5])  # 0.5 of a step: ties round to even
+    if rows > 1:
+        x[1] = 0
+    x = x.to(dtype)
+    want = fake_quantize_tokens(x.float()).to(dtype)
+    assert torch.equal(cpu_ops.round_tokens_int8(x), want)
+    strided = x[:, ::2]  # a view: copied to rows first
+    assert torch.equal(cpu_ops.round_tokens_int8(strided), fake_quantize_tokens(strided.float()).to(dtype))
+
+
 def test_takes_only_what_it_runs():
     x = torch.ones(2, 4)
     assert cpu_ops.takes(x, torch.ones(4))
