@@ -111,45 +111,17 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = F
     return PackedWeight(packed, n, k, b, dtype, gated)
 
 
-class PackedBytes:
-    """A weight of one byte a value, FP8 (E4M3) or int8, [n, k] with a float32 scale per output
-    column (or one for all), packed for the kernel and widened in its registers; calling it on
-    ``x`` [m, k] in ``dtype`` (float32 or bfloat16) gives ``(x @ (weight * scale).T + bias)`` in
-    that dtype."""
+class _Widened:
+    """A quantized weight [n, k] packed for the kernel's widening paths, with its scales in the
+    layout the kernel reads; calling it on ``x`` [m, k] in ``dtype`` (float32 or bfloat16) gives
+    ``x @ weight.T + bias`` in that dtype, the weight widened in registers."""
 
-    KINDS = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
-
-    def __init__(self, packed: torch.Tensor, n: int, k: int, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, kind: str):
-        self.packed, self.n, self.k, self.scale, self.bias, self.dtype = packed, n, k, scale, bias, dtype
-        self.kernel = f"gemm_{kind}"
-        self._gemm = getattr(load(), f"gemm_{kind}_" + DTYPE_SUFFIX[dtype])
-        self._bias_ptr = 0 if bias is None else bias.data_ptr()
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-           dtype: torch.dtype) -> PackedBytes | None:
-        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
-        without AVX2, FMA and F16C; a weight neither FP8 nor int8; ``dtype`` other than float32 /
-        bfloat16)."""
-        kind = cls.KINDS.get(weight.dtype)
-        if kind is None or weight.dim() != 2 or dtype not in DTYPE_SUFFIX or not available():
-            return None
-        n, k = weight.shape
-        if n == 0 or k == 0 or scale.numel() not in (1, n):
-            return None
-        vectors = (n + 15) // 16
-        packed = torch.empty(vectors * k * 16, dtype=weight.dtype)
-        if load().gemm_pack_fp8(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
-            return None
-        # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
-        columns = torch.zeros(vectors * 16, dtype=torch.float32)
-        columns[:n] = scale.detach().to(torch.float32).reshape(-1).expand(n) * (256.0 if kind == "fp8" else 1.0)
-        b = None
-        if bias is not None:
-            b = torch.zeros(vectors * 16, dtype=torch.float32)
-            b[:n] = bias.detach().to(torch.float32)
-        return cls(packed, n, k, columns, b, dtype, kind)
+    def __init__(self, kernel: str, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        self.kernel, self.packed, self.scale, self.n, self.k, self.dtype = kernel, packed, scale, n, k, dtype
+        self.bias = None if bias is None else _padded(bias, n)
+        self._gemm = getattr(load(), f"{kernel}_" + DTYPE_SUFFIX[dtype])
+        self._bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         expect(self.kernel, "x", x, self.dtype, (None, self.k))
@@ -166,17 +138,43 @@ class PackedBytes:
         return out
 
 
-class PackedMXFP4:
-    """An MXFP4 weight [n, k] (``blocks`` [n, k / 2] uint8, two E2M1 codes a byte, and ``exponents``
-    [n, k / 32] uint8, each group's biased power-of-two scale) packed for the kernel, half a byte a
-    weight, widened in registers; calling it on ``x`` [m, k] in ``dtype`` (float32 or bfloat16)
-    gives ``x @ weight.T + bias`` in that dtype."""
+def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
+    """float32 per column, zero past ``n`` to whole 16-column vectors (the kernel loads a vector at a time)."""
+    out = torch.zeros((n + 15) // 16 * 16, dtype=torch.float32)
+    out[:n] = values.detach().to(torch.float32).reshape(-1).expand(n)
+    return out
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
-        self.packed, self.scales, self.n, self.k, self.bias, self.dtype = packed, scales, n, k, bias, dtype
-        self._gemm = getattr(load(), "gemm_mxfp4_" + DTYPE_SUFFIX[dtype])
-        self._bias_ptr = 0 if bias is None else bias.data_ptr()
+
+class PackedBytes(_Widened):
+    """A weight of one byte a value, FP8 (E4M3) or int8, [n, k] with a float32 scale per output
+    column (or one for all): ``x @ (weight * scale).T + bias``."""
+
+    KINDS = {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> PackedBytes | None:
+        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
+        without AVX2, FMA and F16C; a weight neither FP8 nor int8; ``dtype`` other than float32 /
+        bfloat16)."""
+        kind = cls.KINDS.get(weight.dtype)
+        if kind is None or weight.dim() != 2 or dtype not in DTYPE_SUFFIX or not available():
+            return None
+        n, k = weight.shape
+        if n == 0 or k == 0 or scale.numel() not in (1, n):
+            return None
+        packed = torch.empty((n + 15) // 16 * k * 16, dtype=weight.dtype)
+        if load().gemm_pack_fp8(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+            return None
+        # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
+        columns = _padded(scale.float() * (256.0 if kind == "fp8" else 1.0), n)
+        return cls(f"gemm_{kind}", packed, columns, n, k, bias, dtype)
+
+
+class PackedMXFP4(_Widened):
+    """An MXFP4 weight [n, k] (``blocks`` [n, k / 2] uint8, two E2M1 codes a byte, and ``exponents``
+    [n, k / 32] uint8, each group's biased power-of-two scale), half a byte a weight and a float32
+    scale per 32."""
 
     @classmethod
     def of(cls, blocks: torch.Tensor, exponents: torch.Tensor, bias: torch.Tensor | None,
@@ -194,25 +192,7 @@ class PackedMXFP4:
         if load().gemm_pack_mxfp4(blocks.contiguous().data_ptr(), exponents.contiguous().data_ptr(), n, k,
                                   packed.data_ptr(), scales.data_ptr()):
             return None
-        b = None
-        if bias is not None:
-            b = torch.zeros(vectors * 16, dtype=torch.float32)
-            b[:n] = bias.detach().to(torch.float32)
-        return cls(packed, scales, n, k, b, dtype)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        expect("gemm_mxfp4", "x", x, self.dtype, (None, self.k))
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty((m, self.n), dtype=self.dtype)
-        if m == 0:
-            return out
-        rc = self._gemm(x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n,
-                        self.scales.data_ptr(), self._bias_ptr, out.data_ptr(), self.n, torch.get_num_threads())
-        if rc:  # of() packed it, so only another build of the library gets here
-            raise KernelArgumentError(f"gemm_mxfp4: the library has no MXFP4 kernel for {self.dtype}")
-        return out
+        return cls("gemm_mxfp4", packed, scales, n, k, bias, dtype)
 
 
 class PackedExperts:
