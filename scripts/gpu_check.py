@@ -237,7 +237,7 @@ def check_lora_kernels(bw: float, rows: list) -> None:
 
 def check_quant_gemm(bw: float, rows: list) -> None:
     """The quantized checkpoints' weight-only GEMM at bench-1b's gate_up shape (2048 -> 16384), 64
-    rows of bf16 activations: int4 (groups of 128, zero points), int8 and FP8 per row, against
+    rows of bf16 activations: int4 (groups of 128, zero points), int8 and FP8 per row, MXFP4, against
     the torch reference; bytes moved are the packed weight's."""
     import triton.testing
 
@@ -245,16 +245,20 @@ def check_quant_gemm(bw: float, rows: list) -> None:
 
     m, n, k = 64, 16384, 2048
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
-    for kind, group in (("int4", 128), ("int8", 2048), ("fp8", 2048)):
+    for kind, group in (("int4", 128), ("int8", 2048), ("fp8", 2048), ("mxfp4", 32)):
         scale = torch.rand((n, k // group), device="cuda") * 0.01 + 0.001
         zero = None
-        if kind == "int4":
+        if kind == "mxfp4":
+            packed = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
+            scale = torch.ldexp(torch.ones((n, k // group), device="cuda"), torch.randint(-9, -5, (n, k // group), device="cuda"))
+        elif kind == "int4":
             packed = pack_int4(torch.randint(0, 16, (n, k), device="cuda"))
             zero = torch.randint(0, 16, (n, k // group), device="cuda").float()
         elif kind == "int8":
             packed = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
         else:
             packed = (torch.randn((n, k), device="cuda") * 50).to(torch.float8_e4m3fn)
+            fp8, fp8_scale = packed, scale
         err = rel_err(quant_gemm(x, kind, packed, scale, zero, group), quant_gemm_ref(x, kind, packed, scale, zero, group))
         args = (x, kind, packed, scale, zero, group)
         ms = triton.testing.do_bench(lambda args=args: quant_gemm(*args), warmup=25, rep=200, return_mode="median")
@@ -264,14 +268,14 @@ def check_quant_gemm(bw: float, rows: list) -> None:
     # device has it: QuantLinear's path against the same product of the FP8-rounded activations
     from batchgen.model.quant import QuantLinear, QWeight, fp8_tokens
 
-    qw = QWeight("fp8", 8, packed.cpu(), scale[:, :1].cpu(), None, k, activations="fp8-token")
+    qw = QWeight("fp8", 8, fp8.cpu(), fp8_scale.cpu(), None, k, activations="fp8-token")
     layer = QuantLinear(qw, None, torch.device("cuda"), torch.bfloat16)
     if layer.path == "fp8-scaled-mm":
         xq, xs = fp8_tokens(x.float())
-        want = (xq.float() * xs) @ (packed.float() * scale[:, :1]).T
+        want = (xq.float() * xs) @ (fp8.float() * fp8_scale).T
         err = rel_err(layer(x), want)
         ms = triton.testing.do_bench(lambda: layer(x), warmup=25, rep=200, return_mode="median")
-        nbytes = packed.numel() + x.numel() * 2 + m * n * 2
+        nbytes = fp8.numel() + x.numel() * 2 + m * n * 2
         rows.append({**kernel_row("_scaled_mm fp8 x fp8 64 x 2048 -> 16384", err < 2e-2, ms, nbytes, bw), "rel_err": err})
     else:
         rows.append({"kernel": "_scaled_mm fp8 x fp8", "error": f"not used on this device (path {layer.path})"})

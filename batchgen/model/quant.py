@@ -463,14 +463,16 @@ class QuantLinear(_QuantLayer):
         return y[:rows].to(self.dtype)
 
     def _triton(self, qw: QWeight):
-        """The Triton kernel's layout: int4 two per byte, int8 as is, FP8 as is; float32 scales and zeros."""
+        """The Triton kernel's layout: int4 two per byte, int8, FP8 and MXFP4's codes as they are;
+        float32 scales and zeros."""
         from batchgen_kernels.quant_gemm import pack_int4  # noqa: PLC0415
 
         dev = self.device
         zero = qw.zero
-        if qw.kind == "mxfp4":  # no Triton kernel for it: the reference path
-            return None
-        if qw.kind == "fp8":
+        if qw.kind == "mxfp4":  # the codes as stored, the exponents as float32 powers of two
+            scale = torch.ldexp(torch.ones(qw.scale.shape), qw.scale.to(torch.int32) - mxfp4.SCALE_BIAS)
+            self.t_kind, packed, group = "mxfp4", qw.q, qw.group
+        elif qw.kind == "fp8":
             self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale.expand(-1, 1), qw.in_features
         elif qw.bits == 4:
             q = qw.q.to(torch.int16)

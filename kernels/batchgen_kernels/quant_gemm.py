@@ -6,7 +6,9 @@ Weights (``QuantLinear``'s GPU layout, ``batchgen/model/quant.py``):
 - int4: ``packed`` uint8 [N, K / 2], input 2k in the low nibble and 2k + 1 in the high one, values
   0..15; ``scale`` and ``zero`` float32 [N, K / group]: ``w = (q - zero) * scale``;
 - int8: ``packed`` int8 [N, K] (signed, ``zero`` all 0) or uint8 with ``zero``;
-- fp8: ``packed`` float8_e4m3fn [N, K], ``scale`` [N, 1] (per row; a per-tensor scale repeated).
+- fp8: ``packed`` float8_e4m3fn [N, K], ``scale`` [N, 1] (per row; a per-tensor scale repeated);
+- mxfp4 (gpt-oss's experts): ``packed`` uint8 [N, K / 2], two E2M1 codes a byte as int4's values,
+  ``scale`` float32 [N, K / 32], each group's power of two.
 
 One program computes a [BM, BN] tile of ``y`` over K in steps of ``BK`` (a multiple of the group
 size or a divisor of it), accumulating in float32; float32 inputs multiply in IEEE float32.
@@ -25,7 +27,9 @@ import triton.language as tl
 
 # Triton's interpreter multiplies bfloat16 tiles wrongly: there the kernel widens them to float32 first.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-KINDS = ("int4", "int8", "fp8")
+# the E2M1 codes' values (batchgen.model.mxfp4's table; the reference reads it, the kernel computes it)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+KINDS = ("int4", "int8", "fp8", "mxfp4")
 
 
 @triton.jit
@@ -47,9 +51,16 @@ def _quant_gemm_kernel(
         k_ok = ks < K
         x = tl.load(X + rows64[:, None] * sx + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         mask = col_ok[None, :] & k_ok[:, None]
-        if KIND == 0:  # int4: two per byte along K
+        if KIND == 0 or KIND == 3:  # int4 / MXFP4: two per byte along K
             byte = tl.load(W + cols64[None, :] * sw + (ks // 2)[:, None], mask=mask, other=0).to(tl.int32)
-            q = ((byte >> ((ks % 2) * 4)[:, None]) & 15).to(tl.float32)
+            c = (byte >> ((ks % 2) * 4)[:, None]) & 15
+            if KIND == 0:
+                q = c.to(tl.float32)
+            else:  # E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal
+                e = (c >> 1) & 3
+                half = (c & 1).to(tl.float32) * 0.5
+                mag = tl.where(e == 0, half, (1.0 + half) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
+                q = tl.where(c >= 8, -mag, mag)
         elif KIND == 1:
             q = tl.load(W + cols64[None, :] * sw + ks[:, None], mask=mask, other=0).to(tl.float32)
         else:  # fp8 (no fp8 "other" value): masked lanes zeroed after the load
@@ -78,7 +89,7 @@ def quant_gemm(
         raise ValueError(f"quant_gemm: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     m, k = x.shape
     n = packed.shape[0]
-    width = k // 2 if kind == "int4" else k
+    width = k // 2 if kind in ("int4", "mxfp4") else k
     if packed.dim() != 2 or packed.shape[1] != width or not packed.is_contiguous():
         raise ValueError(f"quant_gemm: {kind} weight must be contiguous [{n}, {width}], got {tuple(packed.shape)}")
     if k % group or scale.shape != (n, k // group) or scale.dtype != torch.float32 or not scale.is_contiguous():
@@ -109,8 +120,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def quant_gemm_ref(
     x: torch.Tensor, kind: str, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int
 ) -> torch.Tensor:
-    if kind == "int4":
-        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).float()
+    if kind in ("int4", "mxfp4"):
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+        q = torch.tensor(FP4_VALUES)[q.long()] if kind == "mxfp4" else q.float()
     else:
         q = packed.float()
     s = scale.repeat_interleave(group, dim=1)

@@ -16,7 +16,9 @@ from batchgen_kernels.quant_gemm import pack_int4, quant_gemm, quant_gemm_ref  #
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 128), ("fp8", 128)])
+@pytest.mark.parametrize(
+    "kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 128), ("fp8", 128), ("mxfp4", 32)]
+)
 def test_the_kernel_equals_the_reference(kind, group, dtype):
     gen = torch.Generator().manual_seed(0)
     m, n, k = 19, 72, 128
@@ -28,12 +30,31 @@ def test_the_kernel_equals_the_reference(kind, group, dtype):
         zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
     elif kind == "int8":
         packed = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    elif kind == "mxfp4":  # every code in both nibbles; scales powers of two from 2^-8 to 2^2
+        packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        packed[0, :16] = torch.arange(16, dtype=torch.uint8) * 17
+        scale = torch.ldexp(torch.ones(n, k // group), torch.randint(-8, 3, (n, k // group), generator=gen))
     else:
         packed = (torch.randn(n, k, generator=gen) * 50).to(torch.float8_e4m3fn)
     got = quant_gemm(x, kind, packed, scale, zero, group)
     want = quant_gemm_ref(x, kind, packed, scale, zero, group)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_quant_linear_runs_mxfp4_experts_on_the_kernel():
+    """gpt-oss's MXFP4 projections on the kernel (codes as stored, exponents as float32 powers of
+    two) against ``mxfp4.dequantize``'s weight."""
+    from batchgen.model import mxfp4
+    from batchgen.model.quant import QWeight
+
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 1, 96)
+    blocks, scales = mxfp4.quantize(w)
+    layer = QuantLinear(QWeight.mxfp4(blocks, scales), None, torch.device("cpu"), torch.float32, triton=True)
+    assert layer.path == "triton-mxfp4"
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5))
+    want = x @ mxfp4.dequantize(blocks, scales).reshape(48, 96).T
+    assert torch.allclose(layer(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_arguments_are_checked():
