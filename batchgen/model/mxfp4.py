@@ -25,8 +25,12 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
             f"(expected blocks [..., groups, {GROUP // 2}])"
         )
     values = _PAIRS[blocks.int()].flatten(-2)  # [..., groups, 32] float32: each byte's two values
-    scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - SCALE_BIAS)  # exact powers of two
-    return (values * scale[..., None]).flatten(-2).to(dtype)
+    return (values * scales_of(scales)[..., None]).flatten(-2).to(dtype)
+
+
+def scales_of(exponents: torch.Tensor) -> torch.Tensor:
+    """Biased exponents (uint8) -> the groups' scales, float32 powers of two (exact)."""
+    return torch.ldexp(torch.ones(exponents.shape, device=exponents.device), exponents.to(torch.int32) - SCALE_BIAS)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -339,7 +340,7 @@ class QuantFormat:
         return QWeight("int", self.bits, q.contiguous(), scale, zero, group, activations=self.activations)
 
 
-class _QuantLayer:
+class _QuantLayer(ABC):
     """What a quantized layer answers like ``linear.Linear``: its path as ``backend``, a meta
     ``weight`` for shape queries, no fused SwiGLU, no compiled-kernel packing."""
 
@@ -358,8 +359,8 @@ class _QuantLayer:
         """A weight-shaped tensor on the meta device (nothing is dequantized)."""
         return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -398,12 +399,14 @@ class QuantLinear(_QuantLayer):
             w8a8 = qw.activations == "int8-token"
             kernel = None if "int8_gemm" in library_kernels() else PackedBytes.of(qw.q, qw.scale, None, dtype)
             self.int8: Callable[[torch.Tensor], torch.Tensor]
-            if kernel is not None:
-                self.int8 = kernel
+            self.round_tokens: Callable[[torch.Tensor], torch.Tensor]
+            if kernel is not None:  # W8A8's rounding in one compiled pass too
+                self.int8, self.round_tokens = kernel, round_tokens_int8
                 self.path = "w8a8-kernel" if w8a8 else "int8-kernel"
             else:
                 q8, s8 = qw.q.to(torch.int8).contiguous(), qw.scale[:, 0].to(device=device, dtype=dtype)
                 self.int8 = lambda x: torch._weight_int8pack_mm(x, q8, s8)
+                self.round_tokens = lambda x: fake_quantize_tokens(x.float()).to(x.dtype)
                 self.path = "w8a8-int8pack" if w8a8 else "int8-weight"
             self._fast = self._w8a8 if w8a8 else self.int8
         elif cpu and qw.kind == "fp8" and (packed := PackedBytes.of(qw.q, qw.scale, None, dtype)) is not None:
@@ -470,8 +473,7 @@ class QuantLinear(_QuantLayer):
         dev = self.device
         zero = qw.zero
         if qw.kind == "mxfp4":  # the codes as stored, the exponents as float32 powers of two
-            scale = torch.ldexp(torch.ones(qw.scale.shape), qw.scale.to(torch.int32) - mxfp4.SCALE_BIAS)
-            self.t_kind, packed, group = "mxfp4", qw.q, qw.group
+            self.t_kind, packed, scale, group = "mxfp4", qw.q, mxfp4.scales_of(qw.scale), qw.group
         elif qw.kind == "fp8":
             self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale.expand(-1, 1), qw.in_features
         elif qw.bits == 4:
@@ -502,12 +504,9 @@ class QuantLinear(_QuantLayer):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
-        # the activations on their per-token int8 grid (one compiled pass with the kernel, torch's
-        # operators otherwise), then the int8 weights widened in the GEMM: W8A8's result (products
-        # of int8 values, summed in float32)
-        if self.path == "w8a8-kernel":
-            return self.int8(round_tokens_int8(x))
-        return self.int8(fake_quantize_tokens(x.float()).to(x.dtype))
+        # the activations on their per-token int8 grid, then the int8 weights widened in the GEMM:
+        # W8A8's result (products of int8 values, summed in float32)
+        return self.int8(self.round_tokens(x))
 
     def _agrees(self, qw: QWeight) -> bool:
         """The fast path against the dequantized weight on a probe (a kernel that misbehaves on this
@@ -541,16 +540,7 @@ class QuantLinear(_QuantLayer):
             qw = self.qw
             if qw.activations == "int8-token":
                 x2 = fake_quantize_tokens(x2.float()).to(x2.dtype)
-            if qw.kind == "int":
-                w = qw.q.to(torch.float32)
-                if qw.zero is not None:
-                    w = w - qw.zero.repeat_interleave(qw.group, dim=1)
-                w = (w * qw.scale.repeat_interleave(qw.group, dim=1)).to(self.dtype)
-            elif qw.kind == "fp8":
-                w = (qw.q.to(self.dtype).float() * qw.scale).to(self.dtype)
-            else:
-                w = qw.dequantize(self.dtype)
-            y = F.linear(x2, w)
+            y = F.linear(x2, qw.dequantize(self.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, y.shape[-1])

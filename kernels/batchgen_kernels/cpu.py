@@ -119,19 +119,13 @@ SIGNATURES = {
     "gemm_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_bf16_widened": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
-    # w (FP8 bytes), n, k, out
-    "gemm_pack_fp8": (_INT, [_P, _I, _I, _P]),
-    # x, x row stride, m, k, packed FP8 w, n, scale (float32, times 2^8), bias (float32 or null), y,
-    # y row stride, threads
-    "gemm_fp8_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
-    "gemm_fp8_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
-    "gemm_int8_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
-    "gemm_int8_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    # w (FP8 or int8 bytes), n, k, out
+    "gemm_pack_bytes": (_INT, [_P, _I, _I, _P]),
     # blocks, exponents, n, k, out, scales
     "gemm_pack_mxfp4": (_INT, [_P, _P, _I, _I, _P, _P]),
-    # x, x row stride, m, k, packed MXFP4 w, n, scales, bias (float32 or null), y, y row stride, threads
-    "gemm_mxfp4_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
-    "gemm_mxfp4_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT]),
+    # x, x row stride, m, k, packed w, n, scales (float32), bias (float32 or null), y, y row stride, threads
+    **{f"gemm_{kind}_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT])
+       for kind in ("fp8", "int8", "mxfp4") for dtype in ("f32", "bf16")},
     "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_gated_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     # x, tokens, d, top_k, chosen, weights, experts, gate_up, gate_up bias, down, down bias, inter, out, threads

@@ -72,7 +72,7 @@
 #define BATCHGEN_GEMM_BF16 1  // bf16 weights widened to float32 in registers, FMA products
 #endif
 #if defined(BATCHGEN_GEMM_F32) && defined(__F16C__)
-#define BATCHGEN_GEMM_FP8 1  // FP8 (E4M3) weights widened in registers through float16 (F16C)
+#define BATCHGEN_GEMM_QUANT 1  // int8, FP8 and MXFP4 weights widened in registers (FP8, MXFP4 through F16C)
 #endif
 
 #include <omp.h>
@@ -381,7 +381,7 @@ inline void block_bf16(const uint16_t* x, int64_t ldx, const uint32_t* wp, int64
 
 #endif
 
-#ifdef BATCHGEN_GEMM_FP8
+#ifdef BATCHGEN_GEMM_QUANT
 
 // 16 E4M3 bytes as 16 float16 values of 2^-8 times theirs (see the file's head)
 inline __m256i fp8_as_half(const uint8_t* p) {
@@ -389,10 +389,12 @@ inline __m256i fp8_as_half(const uint8_t* p) {
   return _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
 }
 
-// one row's 16-lane epilogue: y = acc * scale + bias, in O (bf16 rounded to nearest even)
+// one row's 16-lane epilogue of the quantized blocks: y = acc * scale + bias (either may be null),
+// in O (bf16 rounded to nearest even); the first ``width`` lanes
 template <typename O>
-inline void fp8_store(const float* acc, const float* scale, const float* bias, O* y, int width) {
-  batchgen::v16 v = batchgen::load16(acc) * batchgen::load16(scale);
+inline void scaled_store(const float* acc, const float* scale, const float* bias, O* y, int width) {
+  batchgen::v16 v = batchgen::load16(acc);
+  if (scale) v *= batchgen::load16(scale);
   if (bias) v += batchgen::load16(bias);
   alignas(64) O out[16];
   batchgen::store16(out, v);
@@ -446,7 +448,7 @@ inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t
     for (int c = 0; c < C; ++c) {
       alignas(64) float row[16];
       _mm512_store_ps(row, acc[r][c]);
-      fp8_store(row, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+      scaled_store(row, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
     }
 }
 
@@ -475,12 +477,11 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[half][c], xb, acc[r][c]);
       }
   }
-  const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       alignas(64) float row[16];
       _mm512_store_ps(row, acc[r][c]);
-      fp8_store(row, ones, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+      scaled_store(row, nullptr, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
     }
 }
 
@@ -520,7 +521,7 @@ inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t
     store_row<C>(acc[r], row);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
-      fp8_store(row + c * 16, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
+      scaled_store(row + c * 16, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
                 c == C - 1 ? lastn : 16);
   }
 }
@@ -550,13 +551,12 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
         }
     }
   }
-  const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     alignas(64) float row[C * 16];
     store_row<C>(acc[r], row);
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) fp8_store(row + c * 16, ones, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+    for (int c = 0; c < C; ++c) scaled_store(row + c * 16, nullptr, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
   }
 }
 
@@ -696,7 +696,8 @@ inline bool amx_gemm(int64_t k) { return k % 32 == 0 && batchgen::amx_permitted(
 
 // All m rows against C column vectors: full blocks of kRows, then the remainder, each block
 // prefetching its share of the next panel, [next, next_end). O: the output's type (T, or float for
-// bf16 widened). W: float, bf16 pairs (uint32_t) or FP8 bytes (uint8_t, with ``scale`` per column).
+// bf16 widened). W: float, bf16 pairs (uint32_t), or quantized with ``scale``: FP8 or int8 bytes
+// (uint8_t / int8_t, a scale per column), MXFP4 pairs (Fp4Pair, a scale per column and 32 inputs).
 template <typename T, typename W, int C, typename O, bool Gated>
 void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t vstride, const float* bias,
                   O* y, int64_t ldy, int lastn, const W* next, const W* next_end, const float* scale) {
@@ -708,7 +709,7 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
     constexpr int R = decltype(rows)::value;
     const Prefetch pf(lo, hi, r / kRows, blocks, steps);
     // with nothing to prefetch, the block without the prefetch's step in its K loop
-#ifdef BATCHGEN_GEMM_FP8
+#ifdef BATCHGEN_GEMM_QUANT
     if constexpr (std::is_same_v<W, Fp4Pair>) {
       static_assert(!Gated, "MXFP4 weights are not packed gated");
       const int64_t sstride = k / 32 * 16;
@@ -879,6 +880,24 @@ int experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t*
 }
 #endif
 
+// The quantized GEMMs' entry points: y [m, n] = (x [m, k] @ W^T) * scale + bias with W packed by
+// gemm_pack_bytes (FP8 or int8) or gemm_pack_mxfp4; scale and bias float32, padded to whole
+// vectors (bias may be null). FP8's scale is the column's times 2^8 (the widening's factor); int8's
+// the column's; MXFP4's gemm_pack_mxfp4's. 1 where the library has no such kernel (or k is not a
+// multiple of 32 for MXFP4).
+template <typename T, typename W>
+int quant_gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const void* wp, int64_t n, const float* scale,
+               const float* bias, T* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_QUANT
+  if (std::is_same_v<W, Fp4Pair> && k % 32) return 1;
+  gemm<T, W, T>(x, ldx, m, k, static_cast<const W*>(wp), n, bias, y, ldy, threads, scale);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -997,8 +1016,8 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
 }
 
 // FP8 (E4M3) or int8 W [n, k] bytes into [ceil(n/16)][k][16] (columns past n zero).
-int gemm_pack_fp8(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
-#ifdef BATCHGEN_GEMM_FP8
+int gemm_pack_bytes(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
+#ifdef BATCHGEN_GEMM_QUANT
   const int64_t vectors = (n + 15) / 16;
 #pragma omp parallel for schedule(static)
   for (int64_t v = 0; v < vectors; ++v)
@@ -1014,61 +1033,13 @@ int gemm_pack_fp8(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
 #endif
 }
 
-// y [m, n] = (x [m, k] @ W^T) * scale + bias with W packed FP8 (gemm_pack_fp8); scale: float32 per
-// column times 2^8 (the widening's factor), padded to whole vectors as the bias (or null).
-int gemm_fp8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
-                 const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  gemm<float, uint8_t, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
-}
-
-int gemm_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
-                  const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  gemm<uint16_t, uint8_t, uint16_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
-}
-
-// y [m, n] = (x [m, k] @ W^T) * scale + bias with W int8 packed as gemm_pack_fp8 packs bytes;
-// scale: float32 per column (padded to whole vectors, as the bias)
-int gemm_int8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
-                  const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  gemm<float, int8_t, float>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
-}
-
-int gemm_int8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
-                   const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  gemm<uint16_t, int8_t, uint16_t>(x, ldx, m, k, wp, n, bias, y, ldy, threads, scale);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
-}
-
 // MXFP4 W: blocks [n, k / 2] (a byte: two E2M1 codes, the first in the low nibble) and biased
 // exponents [n, k / 32] into [ceil(n/16)][k/2][16] bytes and float32 scales [ceil(n/16)][k/32][16]
 // (2^(exponent - 127) times 2^14). 1 where k is not a multiple of 32 or an exponent is above 240
 // (a scale the widening's factor would overflow).
 int gemm_pack_mxfp4(const uint8_t* blocks, const uint8_t* exponents, int64_t n, int64_t k, uint8_t* out,
                     float* scales) {
-#ifdef BATCHGEN_GEMM_FP8
+#ifdef BATCHGEN_GEMM_QUANT
   if (k % 32) return 1;
   for (int64_t i = 0; i < n * (k / 32); ++i)
     if (exponents[i] > 240) return 1;
@@ -1094,30 +1065,29 @@ int gemm_pack_mxfp4(const uint8_t* blocks, const uint8_t* exponents, int64_t n, 
 #endif
 }
 
-// y [m, n] = x [m, k] @ W^T + bias with W packed MXFP4 (gemm_pack_mxfp4's weights and scales)
+int gemm_fp8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                 const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
+  return quant_gemm<float, uint8_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+}
+int gemm_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                  const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+  return quant_gemm<uint16_t, uint8_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+}
+int gemm_int8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                  const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
+  return quant_gemm<float, int8_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+}
+int gemm_int8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                   const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+  return quant_gemm<uint16_t, int8_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+}
 int gemm_mxfp4_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
                    const float* scales, const float* bias, float* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  if (k % 32) return 1;
-  gemm<float, Fp4Pair, float>(x, ldx, m, k, reinterpret_cast<const Fp4Pair*>(wp), n, bias, y, ldy, threads, scales);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
+  return quant_gemm<float, Fp4Pair>(x, ldx, m, k, wp, n, scales, bias, y, ldy, threads);
 }
-
 int gemm_mxfp4_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
                     const float* scales, const float* bias, uint16_t* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_FP8
-  if (k % 32) return 1;
-  gemm<uint16_t, Fp4Pair, uint16_t>(x, ldx, m, k, reinterpret_cast<const Fp4Pair*>(wp), n, bias, y, ldy, threads,
-                                    scales);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
+  return quant_gemm<uint16_t, Fp4Pair>(x, ldx, m, k, wp, n, scales, bias, y, ldy, threads);
 }
 
 // A mixture-of-experts layer's routed experts (see experts above): x [tokens, d]; chosen / weights

@@ -164,7 +164,7 @@ class PackedBytes(_Widened):
         if n == 0 or k == 0 or scale.numel() not in (1, n):
             return None
         packed = torch.empty((n + 15) // 16 * k * 16, dtype=weight.dtype)
-        if load().gemm_pack_fp8(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+        if load().gemm_pack_bytes(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
             return None
         # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
         columns = _padded(scale.float() * (256.0 if kind == "fp8" else 1.0), n)

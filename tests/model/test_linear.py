@@ -401,57 +401,43 @@ def fp8_kernel_runs() -> bool:
                                  torch.float32) is not None
 
 
-@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
+def byte_weight(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """fp8: every one of the 256 E4M3 codes but NaN (the subnormals and zero among the first
+    row's); int8: every value from -128 to 127."""
+    if kind == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        codes[0, : min(k, 8)] = torch.arange(min(k, 8), dtype=torch.uint8)
+        codes[codes & 0x7F == 0x7F] = 0x7E  # no NaN
+        return codes.view(torch.float8_e4m3fn)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    q.view(-1)[:256] = torch.arange(-128, 128, dtype=torch.int8)[: q.numel()]
+    return q
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / int8 GEMM kernel on this CPU")
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
 @pytest.mark.parametrize("n", [5, 16, 88])
-def test_fp8_kernel_equals_the_widened_weight(dtype, rows, n):
-    """FP8 weights widened in registers: every one of the 256 E4M3 codes but NaN (subnormals, both
-    zeros, the largest) against the float64 product of the widened weight and its per-column or
-    per-tensor scale; column tails short of a vector, row remainders of the register block."""
+def test_byte_kernel_equals_the_widened_weight(kind, dtype, rows, n):
+    """FP8 and int8 weights widened in registers (``byte_weight``'s values) against the float64
+    product of the widened weight and its per-column or per-tensor scale; column tails short of a
+    vector, row remainders of the register block, a strided input."""
     gen = torch.Generator().manual_seed(rows * 100 + n)
     k = 48
-    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
-    codes[0, : min(k, 8)] = torch.arange(min(k, 8), dtype=torch.uint8)  # the subnormals and zero
-    codes[codes & 0x7F == 0x7F] = 0x7E  # no NaN
-    w = codes.view(torch.float8_e4m3fn)
+    w = byte_weight(kind, n, k, gen)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
     for scale in (torch.rand(n, generator=gen) + 0.5, torch.tensor([0.01])):
         packed = cpu_gemm.PackedBytes.of(w, scale, bias if n % 2 else None, dtype)
-        assert packed is not None
+        assert packed is not None and packed.kernel == f"gemm_{kind}"
         got = packed(x)
         want = x.double() @ (w.double() * scale.double().reshape(-1, 1)).T
         if n % 2:
             want = want + bias.double()
         assert got.shape == (rows, n) and got.dtype == dtype
         if rows:
-            rel = 1e-5 if dtype == torch.float32 else 2 ** -8  # bf16: the output's rounding
-            assert (got.double() - want).abs().max() <= rel * want.abs().max()
-
-
-@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled int8 GEMM kernel on this CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
-@pytest.mark.parametrize("n", [5, 16, 88])
-def test_int8_kernel_equals_the_widened_weight(dtype, rows, n):
-    """int8 weights widened in registers, every value from -128 to 127, per-column or one scale."""
-    gen = torch.Generator().manual_seed(rows * 100 + n)
-    k = 48
-    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    q.view(-1)[:256] = torch.arange(-128, 128, dtype=torch.int8)[: q.numel()]
-    bias = torch.randn(n, generator=gen)
-    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]
-    for scale in (torch.rand(n, generator=gen) + 0.5, torch.tensor([0.01])):
-        packed = cpu_gemm.PackedBytes.of(q, scale, bias if n % 2 else None, dtype)
-        assert packed is not None and packed.kernel == "gemm_int8"
-        got = packed(x)
-        want = x.double() @ (q.double() * scale.double().reshape(-1, 1)).T
-        if n % 2:
-            want = want + bias.double()
-        assert got.shape == (rows, n) and got.dtype == dtype
-        if rows:
-            rel = 1e-5 if dtype == torch.float32 else 2**-8
+            rel = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output's rounding
             assert (got.double() - want).abs().max() <= rel * want.abs().max()
 
 
