@@ -6,7 +6,7 @@ dequantized float32 weights by parameter name: loaded into transformers, they ar
 
 Formats (``FORMATS``): ``gptq`` (4 or 8 bits, ``group`` 32..128 or -1 per row, ``sym``, ``desc_act``
 with a shuffled ``g_idx``), ``awq`` (GEMM layout, 4 bits, zero points), ``ct-int4`` / ``ct-int8``
-(compressed-tensors pack-quantized, symmetric, weight-only), ``ct-w8a8`` (int-quantized, per-row
+(compressed-tensors pack-quantized, weight-only, ``sym`` or with packed zero points), ``ct-w8a8`` (int-quantized, per-row
 weights, dynamic per-token activations) and ``ct-fp8`` (float-quantized, per-tensor or per-row).
 ``quantize_gpt_oss_mxfp4(src, dst)`` writes a gpt-oss model's experts as its hub checkpoints hold
 them, MXFP4 blocks and scales.
@@ -15,6 +15,7 @@ them, MXFP4 blocks and scales.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -106,9 +107,12 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
         return {"qweight": pack_cols(q, 4, AWQ_ORDER), "qzeros": pack_cols(zero.long(), 4, AWQ_ORDER),
                 "scales": scale.half()}, deq
     if fmt in ("ct-int4", "ct-int8"):  # signed values stored with an offset of 2**(bits - 1)
-        stored = q.T  # already offset by z = 2**(bits - 1) (symmetric)
-        return {"weight_packed": pack_cols(stored, bits), "weight_scale": scale.T.contiguous().half(),
-                "weight_shape": torch.tensor([out, inp])}, deq
+        # q is unsigned: the signed value plus 2**(bits - 1) (symmetric: z is that offset)
+        tensors = {"weight_packed": pack_cols(q.T, bits), "weight_scale": scale.T.contiguous().half(),
+                   "weight_shape": torch.tensor([out, inp])}
+        if not sym:  # the zero points, signed and offset like the values, packed along the outputs
+            tensors["weight_zero_point"] = pack_rows(zero.T.long(), bits)
+        return tensors, deq
     raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
 
 
@@ -122,7 +126,7 @@ def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = T
     weights: dict = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
     acts = None
     if fmt in ("ct-int4", "ct-int8"):
-        weights.update(num_bits=4 if fmt == "ct-int4" else 8,
+        weights.update(num_bits=4 if fmt == "ct-int4" else 8, symmetric=sym,
                        strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group)
         form = "pack-quantized"
     elif fmt == "ct-w8a8":
@@ -142,11 +146,25 @@ def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = T
     }
 
 
+def mixed_config(schemes: list[tuple[str, str, dict]]) -> dict:
+    """compressed-tensors' ``mixed-precision`` config: one config group per (target, format, options),
+    each naming its own format."""
+    groups = {}
+    for i, (target, fmt, opts) in enumerate(schemes):
+        one = quantization_config(fmt, **opts)
+        (group,) = one["config_groups"].values()
+        groups[f"group_{i}"] = {**group, "targets": [target], "format": one["format"]}
+    return {**quantization_config("ct-fp8"), "format": "mixed-precision", "config_groups": groups}
+
+
 def quantize_model(
-    src: str | Path, dst: str | Path, fmt: str, oracle: str | Path | None = None, **opts
+    src: str | Path, dst: str | Path, fmt: str, oracle: str | Path | None = None,
+    schemes: list[tuple[str, str, dict]] | None = None, **opts
 ) -> dict[str, torch.Tensor]:
     """Write ``src``'s model quantized in ``fmt`` to ``dst``; returns the dequantized weights, and
-    writes them as a float model to ``oracle`` when given (transformers loads it as the oracle)."""
+    writes them as a float model to ``oracle`` when given (transformers loads it as the oracle).
+    ``fmt="ct-mixed"``: compressed-tensors formats per projection, ``schemes`` a list of (``re:``
+    pattern on the module name, format, options); the first that matches a projection holds it."""
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
@@ -160,7 +178,11 @@ def quantize_model(
     for i, (name, tensor) in enumerate(sorted(state.items())):
         module = name.rsplit(".", 2)
         if len(module) == 3 and module[1] in PROJECTIONS and module[2] == "weight" and ".layers." in name:
-            tensors, deq = quantize_weight(tensor.float(), fmt, seed=i, **opts)
+            one, one_opts = fmt, opts
+            if fmt == "ct-mixed":
+                assert schemes, "ct-mixed: schemes expected"
+                one, one_opts = next((f, o) for t, f, o in schemes if re.match(t.removeprefix("re:"), module[0] + "." + module[1]))
+            tensors, deq = quantize_weight(tensor.float(), one, seed=i, **one_opts)
             prefix = name[: -len(".weight")]
             for suffix, t in tensors.items():
                 out[f"{prefix}.{suffix}"] = t.contiguous()
@@ -177,7 +199,7 @@ def quantize_model(
             if f.is_file() and f.suffix != ".safetensors":
                 shutil.copy(f, oracle / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, **opts)
+    config["quantization_config"] = mixed_config(schemes or []) if fmt == "ct-mixed" else quantization_config(fmt, **opts)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):

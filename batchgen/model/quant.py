@@ -140,6 +140,18 @@ def unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None =
     return out.view(packed.shape[0], packed.shape[1] * per)
 
 
+def _first_error(e: ValueError) -> str:
+    """pydantic's first error of a ``quantization_config``: its field, what is wrong, the value."""
+    errors = getattr(e, "errors", None)
+    if errors is None:
+        return f"quantization_config: {e}"
+    first = errors()[0]
+    # the path without pydantic's validator and union steps ("function-after[...]", "list[str]")
+    field = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and "[" in p))
+    value = repr(first.get("input"))
+    return f"quantization_config.{field}: {first['msg']} (got {value[:80] + '...' if len(value) > 80 else value})"
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """A checkpoint's quantization: ``method`` gptq | awq | compressed-tensors and its settings."""
@@ -152,6 +164,8 @@ class QuantFormat:
     zero_plus_one: bool = True  # GPTQ v1: stored zeros are one less than the real ones
     ct_format: str | None = None  # compressed-tensors: pack-quantized | int-quantized | float-quantized
     activations: str | None = None
+    # compressed-tensors: (targets, format) per config group, and the modules they leave out
+    ct_schemes: tuple[tuple[tuple[str, ...], QuantFormat], ...] = ()
     ignore: tuple[str, ...] = ()
 
     @classmethod
@@ -191,49 +205,88 @@ class QuantFormat:
 
     @classmethod
     def _compressed_tensors(cls, c: dict) -> QuantFormat:
-        fmt = c.get("format")
-        groups = c.get("config_groups") or {}
-        if len(groups) != 1:
-            raise QuantError(f"quantization_config.config_groups: one group is supported, got {len(groups)}")
-        (name, group), = groups.items()
-        targets = group.get("targets") or []
-        if targets != ["Linear"]:
-            raise QuantError(f"quantization_config.config_groups.{name}.targets={targets!r}: ['Linear'] is supported")
-        wts = group.get("weights") or {}
-        acts = group.get("input_activations")
-        bits, kind, strategy = wts.get("num_bits"), wts.get("type"), wts.get("strategy")
-        where = f"quantization_config.config_groups.{name}.weights"
+        """compressed-tensors, read by its own package (``QuantizationConfig``): one format per config
+        group, chosen per projection by the group's ``targets`` (``Linear``, a module name, or
+        ``re:`` a pattern; the package's ``match_name``) less ``ignore``."""
+        try:
+            from compressed_tensors.quantization import QuantizationConfig
+        except ImportError:
+            raise QuantError(
+                "quantization_config.quant_method='compressed-tensors' is read with the compressed-tensors "
+                "package: pip install compressed-tensors (batchgen's quant extra)"
+            ) from None
+        try:
+            config = QuantizationConfig.model_validate(c)
+        except ValueError as e:  # pydantic's ValidationError
+            raise QuantError(_first_error(e)) from None
+        if not config.config_groups:
+            raise QuantError("quantization_config.config_groups: at least one group expected")
+        schemes = []
+        for name, scheme in config.config_groups.items():
+            where = f"quantization_config.config_groups.{name}"
+            fmt = scheme.format or config.format
+            if fmt == "mixed-precision":
+                raise QuantError(f"{where}.format: mixed-precision checkpoints name each group's format")
+            schemes.append((tuple(scheme.targets), cls._ct_scheme(where, fmt, scheme)))
+        return cls("compressed-tensors", ct_schemes=tuple(schemes), ignore=tuple(config.ignore or ()))
+
+    @classmethod
+    def _ct_scheme(cls, where: str, fmt: str | None, scheme: Any) -> QuantFormat:
+        """One config group (a ``QuantizationScheme``) in the checkpoint format ``fmt``."""
+        wts, acts = scheme.weights, scheme.input_activations
+        if wts is None:
+            raise QuantError(f"{where}.weights: missing (activation-only quantization is not supported)")
+        bits, kind, strategy = wts.num_bits, wts.type, wts.strategy
+        where += ".weights"
         if strategy not in ("channel", "group", "tensor"):
             raise QuantError(f"{where}.strategy={strategy!r}: channel, group or tensor is supported")
-        group_size = int(wts.get("group_size") or -1) if strategy == "group" else -1
+        group_size = int(wts.group_size or -1) if strategy == "group" else -1
         activations = None
         if fmt == "pack-quantized":
-            if kind != "int" or bits not in (4, 8) or acts:
-                raise QuantError(f"{where}: pack-quantized int4 / int8 weight-only is supported ({kind} {bits} bits)")
+            if kind != "int" or bits not in (4, 8) or acts is not None or strategy == "tensor":
+                raise QuantError(f"{where}: pack-quantized int4 / int8 weight-only, per channel or group, "
+                                 f"is supported ({kind} {bits} bits, {strategy})")
         elif fmt == "int-quantized":
             if kind != "int" or bits != 8:
                 raise QuantError(f"{where}: int-quantized 8-bit integers are supported ({kind} {bits} bits)")
-            if acts:
-                if not (acts.get("type") == "int" and acts.get("num_bits") == 8 and acts.get("dynamic")
-                        and acts.get("strategy") == "token" and acts.get("symmetric", True)):
-                    raise QuantError(
-                        f"quantization_config.config_groups.{name}.input_activations: dynamic symmetric "
-                        f"per-token int8 is supported, got {acts}"
-                    )
+            if acts is not None:
+                if not (acts.type == "int" and acts.num_bits == 8 and acts.dynamic is True
+                        and acts.strategy == "token" and acts.symmetric):
+                    raise QuantError(f"{where[: -len('.weights')]}.input_activations: dynamic symmetric per-token "
+                                     f"int8 is supported, got {acts.model_dump()}")
                 activations = "int8-token"
         elif fmt == "float-quantized":
             if kind != "float" or bits != 8 or strategy == "group":
                 raise QuantError(f"{where}: FP8 (float, 8 bits) per tensor or per channel is supported")
-            if acts and acts.get("type") == "float" and acts.get("num_bits") == 8 and acts.get("dynamic") and (
-                acts.get("strategy") == "token"
+            if acts is not None and acts.type == "float" and acts.num_bits == 8 and acts.dynamic is True and (
+                acts.strategy == "token"
             ):
                 activations = "fp8-token"
         else:
             raise QuantError(
                 f"quantization_config.format={fmt!r}: pack-quantized, int-quantized or float-quantized is supported"
             )
-        return cls("compressed-tensors", int(bits), group_size, bool(wts.get("symmetric", True)),
-                   ct_format=fmt, activations=activations, ignore=tuple(c.get("ignore") or ()))
+        return cls("compressed-tensors", int(bits), group_size, bool(wts.symmetric), ct_format=fmt,
+                   activations=activations)
+
+    def scheme_for(self, name: str) -> QuantFormat:
+        """The format of the projection ``name`` (``layers.0.mlp.down_proj``): compressed-tensors'
+        first config group that targets it; the format itself for the others."""
+        if not self.ct_schemes:
+            return self
+        from compressed_tensors.utils import match_name
+
+        names = (name, "model." + name)  # targets name transformers' modules: the decoder's under "model."
+
+        def matches(target: str) -> bool:
+            return target == "Linear" or any(match_name(n, target) for n in names)
+
+        if not any(matches(t) for t in self.ignore if t != "Linear"):
+            for targets, scheme in self.ct_schemes:
+                if any(matches(t) for t in targets):
+                    return scheme
+        raise QuantError(f"{name}: stored quantized, but no quantization_config.config_groups entry targets it "
+                         f"(or quantization_config.ignore lists it)")
 
     # -- reading one projection ------------------------------------------------------------------
     def is_quantized(self, has, name: str) -> bool:
@@ -249,7 +302,7 @@ class QuantFormat:
                 return self._gptq(raw, has, name)
             if self.method == "awq":
                 return self._awq(raw, name)
-            return self._ct(raw, has, name)
+            return self.scheme_for(name)._ct(raw, has, name)
         except QuantError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:
@@ -318,7 +371,8 @@ class QuantFormat:
                         f"hold weight_shape {shape}"
                     )
                 q = q[:, : shape[1]]
-            q = (q.to(torch.int16) - (1 << (self.bits - 1))).to(torch.int8)  # stored with an offset: signed values
+            if self.sym:  # stored with an offset of 2**(bits - 1): signed values
+                q = (q.to(torch.int16) - (1 << (self.bits - 1))).to(torch.int8)
         else:
             q = raw(name + ".weight")
             want = torch.int8 if self.ct_format == "int-quantized" else torch.float8_e4m3fn
@@ -333,7 +387,14 @@ class QuantFormat:
             return QWeight("fp8", 8, q.contiguous(), scale, None, inp, activations=self.activations)
         group = self._group(name, inp, scale.shape[1])
         zero = None
-        if zero_point is not None and not self.sym:
+        if not self.sym:
+            if zero_point is None:
+                raise QuantError(f"{name}.weight_zero_point: missing (the config group's weights are asymmetric)")
+            if self.ct_format == "pack-quantized":  # offset like the values, packed along the outputs
+                if zero_point.dtype != torch.int32 or not 0 <= zero_point.shape[0] * 32 // self.bits - out < 32 // self.bits:
+                    raise QuantError(f"{name}.weight_zero_point: {tuple(zero_point.shape)} {zero_point.dtype} does "
+                                     f"not hold {out} rows of {self.bits}-bit values packed in int32")
+                zero_point = unpack_rows(zero_point, self.bits)[:out]  # in the unsigned values' units, like q
             if zero_point.shape != scale.shape:
                 raise QuantError(f"{name}.weight_zero_point: shape {tuple(zero_point.shape)}, expected {tuple(scale.shape)}")
             zero = zero_point.float()

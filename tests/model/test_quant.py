@@ -36,11 +36,14 @@ CASES = {
     "gptq-8bit-per-row": ("gptq", dict(bits=8, group=-1), 2e-3),
     "awq-4bit-g32": ("awq", dict(group=32, sym=False), 5e-3),
     "ct-int4-g32": ("ct-int4", dict(group=32), 5e-3),
+    "ct-int4-g32-asym": ("ct-int4", dict(group=32, sym=False), 5e-3),
     "ct-int8-per-row": ("ct-int8", dict(group=-1), 2e-3),
     "ct-w8a8": ("ct-w8a8", {}, 2e-3),
     "ct-fp8-tensor": ("ct-fp8", {}, 2e-3),
     "ct-fp8-per-row": ("ct-fp8", dict(per_channel=True), 2e-3),
 }
+# compressed-tensors' mixed precision: attention in FP8 per row, the MLP in asymmetric int4 per group
+MIXED = [("re:.*self_attn.*", "ct-fp8", dict(per_channel=True)), ("re:.*mlp.*", "ct-int4", dict(group=32, sym=False))]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -73,6 +76,9 @@ def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False
     if fmt in ("ct-int4", "ct-int8"):  # [out, in/per] along the inputs, signed values + 2**(bits-1)
         q = _nibbles(t["weight_packed"].numpy(), bits).reshape(t["weight_packed"].shape[0], -1) - 2 ** (bits - 1)
         s = t["weight_scale"].float().numpy()
+        if "weight_zero_point" in t:  # [out/per, groups], packed along the outputs, offset like the values
+            z = np.moveaxis(_nibbles(t["weight_zero_point"].numpy(), bits), -1, 1).reshape(-1, s.shape[1])
+            q = q - np.repeat(z - 2 ** (bits - 1), q.shape[1] // s.shape[1], axis=1)
         return torch.from_numpy((q * np.repeat(s, q.shape[1] // s.shape[1], axis=1)).astype(np.float32))
     return t["weight"].float() * t["weight_scale"].float()  # int8 / fp8 values, per-row or per-tensor scale
 
@@ -97,22 +103,39 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")  # run_compressed=False: decompress at load
-@pytest.mark.parametrize("case", ["ct-int4-g32", "ct-int8-per-row", "ct-w8a8", "ct-fp8-tensor", "ct-fp8-per-row"])
+@pytest.mark.parametrize("case", ["ct-int4-g32", "ct-int4-g32-asym", "ct-int8-per-row", "ct-w8a8", "ct-fp8-tensor",
+                                  "ct-fp8-per-row", "ct-mixed"])
 def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path, case):
     """The compressed-tensors writer against the format's own package: transformers with
     ``compressed-tensors`` decompresses the checkpoint to the same weights as the writer's
-    dequantized ones (and so as batchgen's reader, checked above)."""
-    pytest.importorskip("compressed_tensors")
+    dequantized ones (and so as batchgen's reader, checked above). Mixed precision, which
+    transformers decompresses with one config group for every dense module: each module with the
+    package's compressor of the group that targets it."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils import match_name
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    fmt, opts, _ = CASES[case]
+    fmt, opts, _ = CASES[case] if case != "ct-mixed" else ("ct-mixed", dict(schemes=MIXED), None)
     src = make_model(tmp_path / "src", "llama", seed=2)
     dequantized = quantize_model(src, tmp_path / "q", fmt, **opts)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "q"), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
-    )
-    state = model.state_dict()
+    if fmt == "ct-mixed":
+        config = QuantizationConfig.model_validate(
+            json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"])
+        tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+        state = {}
+        for name in dequantized:
+            module = name.removesuffix(".weight")
+            (scheme,) = [g for g in config.config_groups.values() if any(match_name(module, t) for t in g.targets)]
+            own = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".")}
+            state[name] = BaseCompressor.get_value_from_registry(scheme.format).decompress(own, scheme)["weight"]
+        assert {s.format for s in config.config_groups.values()} == {"float-quantized", "pack-quantized"}
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "q"), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+        )
+        state = model.state_dict()
     assert dequantized and set(dequantized) <= set(state)
     for name, want in dequantized.items():
         assert torch.allclose(state[name].float(), want, rtol=1e-3, atol=1e-6), name
@@ -222,6 +245,16 @@ def failures(path: str, oracle, tol: float, beams: bool = True, stats: dict | No
     if stats is not None:
         stats.update(llm.stats())
     return problems
+
+
+def test_mixed_precision_config_groups_each_take_their_projections(llama_src, tmp_path):
+    """compressed-tensors with a config group per module kind (FP8 attention, asymmetric int4 MLP),
+    each group naming its format: every projection read in its own group's format."""
+    quantize_model(llama_src, tmp_path / "q", "ct-mixed", oracle=tmp_path / "oracle", schemes=MIXED)
+    stats: dict = {}
+    assert failures(str(tmp_path / "q"), oracle_model(str(tmp_path / "oracle"), None), 5e-3, stats=stats) == []
+    fp8 = "fp8-weight" if byte_kernel_runs() else "reference"
+    assert stats["quantized_paths"] == f"dense x 1, {fp8} x 4, int4-weight x 4"  # 2 layers: qkv, o; gate_up, down
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -369,3 +402,20 @@ def test_bad_quantized_checkpoints_name_the_tensor_or_field(llama_src, tmp_path)
     refused(_edit(tmp_path / "ct", tmp_path / "e", config=lambda q: q.update(format="marlin-24")), "format='marlin-24'")
     refused(_edit(tmp_path / "gptq", tmp_path / "f", config=lambda q: q.update(quant_method="bitsandbytes")),
             "quantization 'bitsandbytes' is not supported")
+    # compressed-tensors' config, as its own package reads it
+    weights = lambda q: q["config_groups"]["group_0"]["weights"]  # noqa: E731
+    refused(_edit(tmp_path / "ct", tmp_path / "g", config=lambda q: weights(q).update(num_bits="four")),
+            r"quantization_config.config_groups.group_0.weights.num_bits: Input should be a valid integer.* \(got 'four'\)")
+    refused(_edit(tmp_path / "ct", tmp_path / "h", config=lambda q: weights(q).update(strategy="block", group_size=None, block_structure=[32, 32])),
+            r"config_groups.group_0.weights.strategy='block'")
+    refused(_edit(tmp_path / "ct", tmp_path / "i", config=lambda q: q["config_groups"]["group_0"].update(targets=["re:.*mlp.*"])),
+            r"layers.0.self_attn.q_proj: stored quantized, but no quantization_config.config_groups entry targets it")
+    refused(_edit(tmp_path / "ct", tmp_path / "j", config=lambda q: weights(q).update(symmetric=False)),
+            r"q_proj.weight_zero_point: missing")
+
+
+def test_compressed_tensors_checkpoints_name_the_package_they_need(llama_src, tmp_path, monkeypatch):
+    quantize_model(llama_src, tmp_path / "ct", "ct-int4", group=32)
+    monkeypatch.setitem(sys.modules, "compressed_tensors.quantization", None)  # not installed
+    with pytest.raises(ValueError, match=r"compressed-tensors package: pip install compressed-tensors"):
+        LLM(str(tmp_path / "ct"), dtype="float32")
