@@ -159,12 +159,14 @@ def mixed_config(schemes: list[tuple[str, str, dict]]) -> dict:
 
 def quantize_model(
     src: str | Path, dst: str | Path, fmt: str, oracle: str | Path | None = None,
-    schemes: list[tuple[str, str, dict]] | None = None, **opts
+    schemes: list[tuple[str, str, dict]] | None = None, dynamic: dict[str, dict] | None = None, **opts
 ) -> dict[str, torch.Tensor]:
     """Write ``src``'s model quantized in ``fmt`` to ``dst``; returns the dequantized weights, and
     writes them as a float model to ``oracle`` when given (transformers loads it as the oracle).
     ``fmt="ct-mixed"``: compressed-tensors formats per projection, ``schemes`` a list of (``re:``
-    pattern on the module name, format, options); the first that matches a projection holds it."""
+    pattern on the module name, format, options); the first that matches a projection holds it.
+    ``dynamic`` (GPTQ): GPTQModel's per-module rules, pattern -> overrides of ``bits``,
+    ``group_size``, ``sym``, ``desc_act`` ("-:pattern": left in float)."""
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
@@ -179,9 +181,17 @@ def quantize_model(
         module = name.rsplit(".", 2)
         if len(module) == 3 and module[1] in PROJECTIONS and module[2] == "weight" and ".layers." in name:
             one, one_opts = fmt, opts
+            path = module[0] + "." + module[1]
             if fmt == "ct-mixed":
                 assert schemes, "ct-mixed: schemes expected"
-                one, one_opts = next((f, o) for t, f, o in schemes if re.match(t.removeprefix("re:"), module[0] + "." + module[1]))
+                one, one_opts = next((f, o) for t, f, o in schemes if re.match(t.removeprefix("re:"), path))
+            rule = next((p for p in dynamic or {} if re.match(p.removeprefix("-:").removeprefix("+:"), path)), None)
+            if rule is not None and rule.startswith("-:"):
+                out[name] = tensor
+                continue
+            if rule is not None:
+                renamed = {"group_size": "group"}
+                one_opts = {**opts, **{renamed.get(k, k): v for k, v in dynamic[rule].items()}}  # type: ignore[index]
             tensors, deq = quantize_weight(tensor.float(), one, seed=i, **one_opts)
             prefix = name[: -len(".weight")]
             for suffix, t in tensors.items():
@@ -200,6 +210,8 @@ def quantize_model(
                 shutil.copy(f, oracle / f.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = mixed_config(schemes or []) if fmt == "ct-mixed" else quantization_config(fmt, **opts)
+    if dynamic:
+        config["quantization_config"]["dynamic"] = dynamic
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):

@@ -30,6 +30,7 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
@@ -165,8 +166,10 @@ class QuantFormat:
     ct_format: str | None = None  # compressed-tensors: pack-quantized | int-quantized | float-quantized
     activations: str | None = None
     # compressed-tensors: (targets, format) per config group, and the modules they leave out
-    ct_schemes: tuple[tuple[tuple[str, ...], QuantFormat], ...] = ()
-    ignore: tuple[str, ...] = ()
+    # per module: (targets, its format or None = not quantized), the first that matches decides
+    # (``scheme_for``); compressed-tensors' config groups after its ignore list, GPTQModel's
+    # ``dynamic`` rules before the format itself; empty: the format itself for every projection
+    schemes: tuple[tuple[tuple[str, ...], QuantFormat | None], ...] = ()
 
     @classmethod
     def of(cls, config: Any) -> QuantFormat | None:
@@ -179,14 +182,7 @@ class QuantFormat:
         if method in (None, "mxfp4"):
             return None
         if method == "gptq":
-            bits = c.get("bits")
-            if bits not in (4, 8):
-                raise QuantError(f"quantization_config.bits={bits!r}: GPTQ checkpoints of 4 or 8 bits are supported")
-            fmt = c.get("checkpoint_format", "gptq")
-            if fmt not in ("gptq", "gptq_v2"):
-                raise QuantError(f"quantization_config.checkpoint_format={fmt!r}: gptq or gptq_v2 are supported")
-            return cls("gptq", bits, int(c.get("group_size", 128)), bool(c.get("sym", True)),
-                       bool(c.get("desc_act", False)), zero_plus_one=fmt == "gptq")
+            return cls._gptq_config(c)
         if method == "awq":
             if c.get("bits", 4) != 4:
                 raise QuantError(f"quantization_config.bits={c.get('bits')!r}: AWQ checkpoints of 4 bits are supported")
@@ -204,10 +200,38 @@ class QuantFormat:
         )
 
     @classmethod
+    def _gptq_config(cls, c: dict) -> QuantFormat:
+        """GPTQ, with GPTQModel's per-module ``dynamic`` rules: ``"-:pattern"`` leaves the modules
+        it matches unquantized, ``"+:pattern"`` (or a bare pattern) overrides ``bits``,
+        ``group_size``, ``sym`` and ``desc_act`` for them; the first rule that matches decides."""
+        fmt = c.get("checkpoint_format") or c.get("format") or "gptq"  # GPTQModel's newer configs: format
+        if fmt not in ("gptq", "gptq_v2"):
+            raise QuantError(f"quantization_config.checkpoint_format={fmt!r}: gptq or gptq_v2 are supported")
+
+        def one(settings: dict, where: str) -> QuantFormat:
+            bits = settings.get("bits")
+            if bits not in (4, 8):
+                raise QuantError(f"{where}.bits={bits!r}: GPTQ checkpoints of 4 or 8 bits are supported")
+            return cls("gptq", bits, int(settings.get("group_size", 128)), bool(settings.get("sym", True)),
+                       bool(settings.get("desc_act", False)), zero_plus_one=fmt == "gptq")
+
+        base = one(c, "quantization_config")
+        dynamic = c.get("dynamic") or {}
+        if not dynamic:
+            return base
+        rules: list[tuple[tuple[str, ...], QuantFormat | None]] = []
+        for pattern, overrides in dynamic.items():
+            target = ("re:" + pattern.removeprefix("-:").removeprefix("+:"),)
+            if pattern.startswith("-:"):
+                rules.append((target, None))
+            else:
+                rules.append((target, one({**c, **(overrides or {})}, f"quantization_config.dynamic[{pattern!r}]")))
+        return replace(base, schemes=(*rules, (("Linear",), base)))
+
+    @classmethod
     def _compressed_tensors(cls, c: dict) -> QuantFormat:
         """compressed-tensors, read by its own package (``QuantizationConfig``): one format per config
-        group, chosen per projection by the group's ``targets`` (``Linear``, a module name, or
-        ``re:`` a pattern; the package's ``match_name``) less ``ignore``."""
+        group, chosen per projection by the group's ``targets`` less ``ignore`` (``scheme_for``)."""
         try:
             from compressed_tensors.quantization import QuantizationConfig
         except ImportError:
@@ -221,14 +245,15 @@ class QuantFormat:
             raise QuantError(_first_error(e)) from None
         if not config.config_groups:
             raise QuantError("quantization_config.config_groups: at least one group expected")
-        schemes = []
+        schemes: list[tuple[tuple[str, ...], QuantFormat | None]] = []
         for name, scheme in config.config_groups.items():
             where = f"quantization_config.config_groups.{name}"
             fmt = scheme.format or config.format
             if fmt == "mixed-precision":
                 raise QuantError(f"{where}.format: mixed-precision checkpoints name each group's format")
             schemes.append((tuple(scheme.targets), cls._ct_scheme(where, fmt, scheme)))
-        return cls("compressed-tensors", ct_schemes=tuple(schemes), ignore=tuple(config.ignore or ()))
+        ignore = tuple(t for t in config.ignore or () if t != "Linear")
+        return cls("compressed-tensors", schemes=((ignore, None), *schemes))
 
     @classmethod
     def _ct_scheme(cls, where: str, fmt: str | None, scheme: Any) -> QuantFormat:
@@ -270,23 +295,28 @@ class QuantFormat:
                    activations=activations)
 
     def scheme_for(self, name: str) -> QuantFormat:
-        """The format of the projection ``name`` (``layers.0.mlp.down_proj``): compressed-tensors'
-        first config group that targets it; the format itself for the others."""
-        if not self.ct_schemes:
+        """The format of the projection ``name`` (``layers.0.mlp.down_proj``): the first of
+        ``schemes`` whose targets match it, by compressed-tensors' rule (``match_name``: ``Linear``
+        every projection, ``re:`` a pattern matched from the start, else the module's name; the
+        decoder's modules are named under ``model.`` as in transformers)."""
+        if not self.schemes:
             return self
-        from compressed_tensors.utils import match_name
-
-        names = (name, "model." + name)  # targets name transformers' modules: the decoder's under "model."
+        names = (name, "model." + name)
 
         def matches(target: str) -> bool:
-            return target == "Linear" or any(match_name(n, target) for n in names)
+            if target == "Linear":
+                return True
+            if target.startswith("re:"):
+                return any(re.match(target.removeprefix("re:"), n) for n in names)
+            return target in names
 
-        if not any(matches(t) for t in self.ignore if t != "Linear"):
-            for targets, scheme in self.ct_schemes:
-                if any(matches(t) for t in targets):
-                    return scheme
-        raise QuantError(f"{name}: stored quantized, but no quantization_config.config_groups entry targets it "
-                         f"(or quantization_config.ignore lists it)")
+        for targets, scheme in self.schemes:
+            if any(matches(t) for t in targets):
+                if scheme is None:
+                    break
+                return scheme
+        rules = "dynamic rules" if self.method == "gptq" else "config_groups' targets and ignore"
+        raise QuantError(f"{name}: stored quantized, but quantization_config's {rules} leave it unquantized")
 
     # -- reading one projection ------------------------------------------------------------------
     def is_quantized(self, has, name: str) -> bool:
@@ -298,11 +328,12 @@ class QuantFormat:
     def read(self, raw, has, name: str) -> QWeight:
         """``raw(tensor name)`` pops a checkpoint tensor, ``has(name)`` asks for one."""
         try:
-            if self.method == "gptq":
-                return self._gptq(raw, has, name)
-            if self.method == "awq":
-                return self._awq(raw, name)
-            return self.scheme_for(name)._ct(raw, has, name)
+            fmt = self.scheme_for(name)
+            if fmt.method == "gptq":
+                return fmt._gptq(raw, has, name)
+            if fmt.method == "awq":
+                return fmt._awq(raw, name)
+            return fmt._ct(raw, has, name)
         except QuantError:
             raise
         except (RuntimeError, ValueError, IndexError) as e:

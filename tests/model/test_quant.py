@@ -257,6 +257,17 @@ def test_mixed_precision_config_groups_each_take_their_projections(llama_src, tm
     assert stats["quantized_paths"] == f"dense x 1, {fp8} x 4, int4-weight x 4"  # 2 layers: qkv, o; gate_up, down
 
 
+def test_gptqmodel_dynamic_rules_override_or_skip_modules(llama_src, tmp_path):
+    """GPTQModel's ``dynamic`` rules: the MLP's down projection in 8 bits per row, o_proj left in
+    float, the rest in the config's 4 bits per 32; each read in its own settings."""
+    dynamic = {r"+:.*mlp\.down_proj": {"bits": 8, "group_size": -1}, r"-:.*self_attn\.o_proj": {}}
+    quantize_model(llama_src, tmp_path / "q", "gptq", oracle=tmp_path / "oracle", dynamic=dynamic, bits=4, group=32)
+    stats: dict = {}
+    assert failures(str(tmp_path / "q"), oracle_model(str(tmp_path / "oracle"), None), 5e-3, stats=stats) == []
+    int8 = "int8-kernel" if byte_kernel_runs() else "int8-weight"
+    assert stats["quantized_paths"] == f"dense x 3, int4-weight x 4, {int8} x 2"  # dense: o_proj x 2, LM head
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_in_each_format_equals_the_dequantized_oracle(llama_src, tmp_path, case):
     path, oracle, tol = build(llama_src, tmp_path, case)
@@ -409,9 +420,15 @@ def test_bad_quantized_checkpoints_name_the_tensor_or_field(llama_src, tmp_path)
     refused(_edit(tmp_path / "ct", tmp_path / "h", config=lambda q: weights(q).update(strategy="block", group_size=None, block_structure=[32, 32])),
             r"config_groups.group_0.weights.strategy='block'")
     refused(_edit(tmp_path / "ct", tmp_path / "i", config=lambda q: q["config_groups"]["group_0"].update(targets=["re:.*mlp.*"])),
-            r"layers.0.self_attn.q_proj: stored quantized, but no quantization_config.config_groups entry targets it")
+            r"layers.0.self_attn.q_proj: stored quantized, but quantization_config's config_groups' targets and ignore "
+            "leave it unquantized")
     refused(_edit(tmp_path / "ct", tmp_path / "j", config=lambda q: weights(q).update(symmetric=False)),
             r"q_proj.weight_zero_point: missing")
+    # GPTQModel's dynamic rules
+    refused(_edit(tmp_path / "gptq", tmp_path / "k", config=lambda q: q.update(dynamic={r".*mlp.*": {"bits": 2}})),
+            r"quantization_config.dynamic\['.\*mlp.\*'\].bits=2")
+    refused(_edit(tmp_path / "gptq", tmp_path / "l", config=lambda q: q.update(dynamic={r"-:.*q_proj": {}})),
+            r"layers.0.self_attn.q_proj: stored quantized, but quantization_config's dynamic rules leave it")
 
 
 def test_compressed_tensors_checkpoints_name_the_package_they_need(llama_src, tmp_path, monkeypatch):
