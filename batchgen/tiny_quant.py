@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 FORMATS = ("gptq", "awq", "ct-int4", "ct-int8", "ct-w8a8", "ct-fp8")
+# Mixtral's experts: w1 (gate), w3 (up), w2 (down)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-               "gate_up_proj")
+               "gate_up_proj", "w1", "w2", "w3")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

@@ -325,6 +325,27 @@ def test_moe_experts_in_each_format_equal_the_dequantized_oracle(moe_src, tmp_pa
     assert failures(path, oracle, tol) == []
 
 
+@pytest.mark.parametrize("arch,case", [("mixtral", "gptq-4bit-g32-sym"), ("mixtral", "ct-fp8-per-row"),
+                                       ("qwen2_moe", "awq-4bit-g32")])
+def test_other_moe_families_keep_their_experts_quantized(tmp_path, arch, case):
+    """Mixtral's experts (``block_sparse_moe.experts.N.w1 / w3 / w2``) and Qwen2-MoE's routed and
+    shared experts stored quantized: each expert's projections stay quantized, the routers dense."""
+    sizes = dict(moe_intermediate_size=64, shared_expert_intermediate_size=64) if arch == "qwen2_moe" else {}
+    src = str(make_model(tmp_path / arch, arch, seed=7, **sizes))  # inputs in whole groups of 32
+    path, oracle, tol = build(src, tmp_path, case)
+    stats: dict = {}
+    assert failures(path, oracle, tol, stats=stats) == []
+    stored = load_file(str(Path(path) / "model.safetensors"))
+    # dense: the LM head, the routers and Qwen2-MoE's shared_expert_gate; quantized: per o_proj
+    # (attention: qkv and o) and per down projection (an expert, shared expert or dense MLP: gate_up and down)
+    dense = 1 + sum(k.endswith("gate.weight") for k in stored)
+    quantized = 2 * sum(k.endswith(("o_proj.qweight", "o_proj.weight_scale", "down_proj.qweight",
+                                    "down_proj.weight_scale", "w2.qweight", "w2.weight_scale")) for k in stored)
+    assert any(".experts.0." in k and k.endswith((".qweight", ".weight_scale")) for k in stored)
+    paths = dict(p.split(" x ") for p in stats["quantized_paths"].split(", "))
+    assert int(paths.pop("dense")) == dense and sum(map(int, paths.values())) == quantized, stats["quantized_paths"]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2", "phi3"])
 def test_other_dense_families_run_quantized(tmp_path, arch):
     """Qwen2's q/k/v biases beside quantized weights, Gemma 2's norms and soft-capping, Phi-3's
