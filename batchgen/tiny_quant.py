@@ -6,8 +6,10 @@ dequantized float32 weights by parameter name: loaded into transformers, they ar
 
 Formats (``FORMATS``): ``gptq`` (4 or 8 bits, ``group`` 32..128 or -1 per row, ``sym``, ``desc_act``
 with a shuffled ``g_idx``), ``awq`` (GEMM layout, 4 bits, zero points), ``ct-int4`` / ``ct-int8``
-(compressed-tensors pack-quantized, weight-only, ``sym`` or with packed zero points), ``ct-w8a8`` (int-quantized, per-row
-weights, dynamic per-token activations) and ``ct-fp8`` (float-quantized, per-tensor or per-row).
+(compressed-tensors pack-quantized, weight-only, ``sym`` or with packed zero points), ``ct-w8a8``
+(int-quantized, per-row weights, dynamic per-token activations), ``ct-fp8`` (float-quantized, per
+tensor, per row or, ``per_channel="block"``, per ``block``) and ``fp8`` (transformers' fine-grained
+FP8: a ``weight_scale_inv`` per ``block``, as the hub's DeepSeek and Qwen FP8 checkpoints).
 ``quantize_gpt_oss_mxfp4(src, dst)`` writes a gpt-oss model's experts as its hub checkpoints hold
 them, MXFP4 blocks and scales.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("gptq", "awq", "ct-int4", "ct-int8", "ct-w8a8", "ct-fp8")
+FORMATS = ("gptq", "awq", "ct-int4", "ct-int8", "ct-w8a8", "ct-fp8", "fp8")
 # Mixtral's experts: w1 (gate), w3 (up), w2 (down)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                "gate_up_proj", "w1", "w2", "w3")
@@ -57,11 +59,24 @@ def _groups(w: torch.Tensor, group: int) -> int:
 
 
 def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, sym: bool = True,
-                    desc_act: bool = False, per_channel: bool = False, seed: int = 0, v2: bool = False):
+                    desc_act: bool = False, per_channel: bool | str = False, seed: int = 0, v2: bool = False,
+                    block: tuple[int, int] | None = (128, 128)):
     """One [out, in] float32 weight in ``fmt``: (tensors by suffix, dequantized float32 weight).
-    ``v2``: GPTQ's ``gptq_v2`` checkpoint format (zero points stored as they are, not minus one)."""
+    ``v2``: GPTQ's ``gptq_v2`` checkpoint format (zero points stored as they are, not minus one).
+    ``block``: FP8's blocks of [rows, inputs] with a scale each (``fp8``: transformers' fine-grained
+    FP8, None one scale; ``ct-fp8``: compressed-tensors' block strategy where ``per_channel="block"``)."""
     gen = torch.Generator().manual_seed(seed)
     out, inp = w.shape
+    if fmt == "fp8" or fmt == "ct-fp8" and per_channel == "block":
+        rows, cols = block or (out, inp)
+        grid = (-(-out // rows), -(-inp // cols))
+        padded = torch.zeros(grid[0] * rows, grid[1] * cols)
+        padded[:out, :inp] = w
+        scale = (padded.view(grid[0], rows, grid[1], cols).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
+        q = (w / full).to(torch.float8_e4m3fn)
+        scale = scale if block else scale.reshape(())
+        return {"weight": q, "weight_scale_inv" if fmt == "fp8" else "weight_scale": scale}, q.float() * full
     if fmt == "ct-fp8":
         scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 448.0
         q = (w / scale).to(torch.float8_e4m3fn)
@@ -84,18 +99,18 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
     wt = w.T
     top = 2**bits - 1
     for k, idx in enumerate(members):
-        block = wt[idx]  # [g, out]
+        members_w = wt[idx]  # [g, out]
         if sym:
-            s = (block.abs().amax(0) / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
+            s = (members_w.abs().amax(0) / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
             z = torch.full((out,), float(2 ** (bits - 1)))
         else:
-            lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
+            lo, hi = members_w.amin(0).clamp(max=0), members_w.amax(0).clamp(min=0)
             s = ((hi - lo) / top).clamp(min=1e-8)
             # GPTQ's v1 layout stores zero - 1: a zero of 0 does not survive it, so its zeros start at 1
             z = torch.round(-lo / s.half().float()).clamp(1 if fmt == "gptq" and not v2 else 0, top)
         s = s.half().float()  # the checkpoint stores float16 scales
         scale[k], zero[k] = s, z
-        q[idx] = (torch.round(block / s) + z).clamp(0, top).long()
+        q[idx] = (torch.round(members_w / s) + z).clamp(0, top).long()
     deq = ((q.float() - zero[g_idx]) * scale[g_idx]).T.contiguous()
     if fmt == "gptq":
         return {
@@ -118,12 +133,16 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
 
 
 def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = True, desc_act: bool = False,
-                        per_channel: bool = False, v2: bool = False) -> dict:
+                        per_channel: bool | str = False, v2: bool = False,
+                        block: tuple[int, int] | None = (128, 128)) -> dict:
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
                 "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    if fmt == "fp8":  # as the hub's DeepSeek / Qwen FP8 checkpoints state it
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": list(block) if block else None}
     weights: dict = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
     acts = None
     if fmt in ("ct-int4", "ct-int8"):
@@ -137,6 +156,9 @@ def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = T
     else:
         weights.update(type="float", strategy="channel" if per_channel else "tensor")
         acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+        if per_channel == "block":  # llm-compressor's FP8_BLOCK: activations per group of 128 inputs
+            weights.update(strategy="block", block_structure=list(block or (128, 128)))
+            acts.update(strategy="group", group_size=128)
         form = "float-quantized"
     return {
         "quant_method": "compressed-tensors",

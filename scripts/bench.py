@@ -332,6 +332,7 @@ QUANT_FORMATS = {
     "ct-int8": ("ct-int8", {"group": -1}),
     "ct-w8a8": ("ct-w8a8", {}),
     "ct-fp8": ("ct-fp8", {"per_channel": True}),
+    "fp8-block": ("fp8", {"block": (128, 128)}),  # transformers' fine-grained FP8, the hub's DeepSeek / Qwen layout
 }
 
 

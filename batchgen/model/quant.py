@@ -15,7 +15,7 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
   rounded to their per-token int8 grid inside the step, then the int8 GEMM above (``torch._int_mm``,
   the int8 x int8 GEMM, kept a weight-sized buffer per layer on the CPU: twice the memory);
 - FP8 (E4M3) weights: the compiled GEMM kernel's FP8 path (``PackedBytes`` again, widened through
-  float16; torch's ``_scaled_mm`` on the CPU quantizes the activations to FP8 too and ran 10x
+  float16; block-wise scales, ``PackedFP8Blocks``, multiply the widened weights per group; torch's ``_scaled_mm`` on the CPU quantizes the activations to FP8 too and ran 10x
   slower than a bf16 GEMM here); on a GPU with FP8 tensor cores, checkpoints with dynamic
   per-token FP8 activations run ``torch._scaled_mm`` (activations quantized per token, as vLLM
   runs them; ``FP8_SCALED_MM``); elsewhere FP8 is weight-only (activations in the model's dtype);
@@ -30,6 +30,7 @@ or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 from batchgen.model import mxfp4
 from batchgen_kernels.cpu import library_kernels
-from batchgen_kernels.cpu_gemm import PackedBytes, PackedMXFP4
+from batchgen_kernels.cpu_gemm import PackedBytes, PackedFP8Blocks, PackedMXFP4
 from batchgen_kernels.cpu_ops import round_tokens_int8
 
 # AWQ's GEMM layout stores the 8 values of an int32 in this column order (AutoAWQ's pack order)
@@ -86,8 +87,8 @@ class QWeight:
         if self.kind == "mxfp4":
             blocks = self.q.view(self.out_features, -1, mxfp4.GROUP // 2)
             return mxfp4.dequantize(blocks, self.scale, dtype).view(self.out_features, self.in_features)
-        if self.kind == "fp8":
-            w = self.q.float() * self.scale
+        if self.kind == "fp8":  # a scale per row (or one), or per row and group of inputs (block-wise)
+            w = self.q.float() * (self.scale.repeat_interleave(self.group, dim=1) if self.scale.shape[1] > 1 else self.scale)
         else:
             s = self.scale.repeat_interleave(self.group, dim=1)
             w = self.q.float() if self.zero is None else self.q.float() - self.zero.repeat_interleave(self.group, dim=1)
@@ -155,7 +156,7 @@ def _first_error(e: ValueError) -> str:
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A checkpoint's quantization: ``method`` gptq | awq | compressed-tensors and its settings."""
+    """A checkpoint's quantization: ``method`` gptq | awq | compressed-tensors | fp8 and its settings."""
 
     method: str
     bits: int = 4
@@ -165,7 +166,7 @@ class QuantFormat:
     zero_plus_one: bool = True  # GPTQ v1: stored zeros are one less than the real ones
     ct_format: str | None = None  # compressed-tensors: pack-quantized | int-quantized | float-quantized
     activations: str | None = None
-    # compressed-tensors: (targets, format) per config group, and the modules they leave out
+    block: tuple[int, int] | None = None  # FP8 block-wise scales: [rows, inputs] per scale
     # per module: (targets, its format or None = not quantized), the first that matches decides
     # (``scheme_for``); compressed-tensors' config groups after its ignore list, GPTQModel's
     # ``dynamic`` rules before the format itself; empty: the format itself for every projection
@@ -194,10 +195,28 @@ class QuantFormat:
             return cls("awq", 4, int(c.get("group_size", 128)), sym=False)
         if method == "compressed-tensors":
             return cls._compressed_tensors(c)
+        if method == "fp8":
+            return cls._fp8_config(c)
         raise QuantError(
-            f"quantization {method!r} is not supported; supported: gptq, awq, compressed-tensors, "
+            f"quantization {method!r} is not supported; supported: gptq, awq, compressed-tensors, fp8 "
             "and gpt-oss's mxfp4 experts"
         )
+
+    @classmethod
+    def _fp8_config(cls, c: dict) -> QuantFormat:
+        """transformers' fine-grained FP8 (``FineGrainedFP8Config``, the hub's DeepSeek / Qwen FP8
+        checkpoints): E4M3 weights, ``weight_scale_inv`` per block of ``weight_block_size`` [rows,
+        inputs] (None: one per tensor), activations quantized dynamically where the device
+        multiplies FP8 (weight-only here)."""
+        scheme = str(c.get("activation_scheme", "dynamic")).lower()
+        if scheme != "dynamic":
+            raise QuantError(f"quantization_config.activation_scheme={scheme!r}: dynamic is supported")
+        if c.get("expert_dtype", "fp8") != "fp8":
+            raise QuantError(f"quantization_config.expert_dtype={c['expert_dtype']!r}: fp8 experts are supported")
+        block = c.get("weight_block_size", (128, 128))
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise QuantError(f"quantization_config.weight_block_size={block!r}: two positive integers expected")
+        return cls("fp8", 8, block[1] if block else -1, block=(block[0], block[1]) if block else None)
 
     @classmethod
     def _gptq_config(cls, c: dict) -> QuantFormat:
@@ -263,8 +282,12 @@ class QuantFormat:
             raise QuantError(f"{where}.weights: missing (activation-only quantization is not supported)")
         bits, kind, strategy = wts.num_bits, wts.type, wts.strategy
         where += ".weights"
-        if strategy not in ("channel", "group", "tensor"):
-            raise QuantError(f"{where}.strategy={strategy!r}: channel, group or tensor is supported")
+        block = None
+        if strategy == "block" and fmt == "float-quantized" and wts.block_structure:
+            block = (wts.block_structure[0], wts.block_structure[1])  # FP8 block-wise: a scale per [rows, inputs]
+        elif strategy not in ("channel", "group", "tensor"):
+            raise QuantError(f"{where}.strategy={strategy!r}: channel, group or tensor is supported "
+                             "(block for float-quantized FP8)")
         group_size = int(wts.group_size or -1) if strategy == "group" else -1
         activations = None
         if fmt == "pack-quantized":
@@ -283,8 +306,8 @@ class QuantFormat:
         elif fmt == "float-quantized":
             if kind != "float" or bits != 8 or strategy == "group":
                 raise QuantError(f"{where}: FP8 (float, 8 bits) per tensor or per channel is supported")
-            if acts is not None and acts.type == "float" and acts.num_bits == 8 and acts.dynamic is True and (
-                acts.strategy == "token"
+            if block is None and acts is not None and acts.type == "float" and acts.num_bits == 8 and (
+                acts.dynamic is True and acts.strategy == "token"
             ):
                 activations = "fp8-token"
         else:
@@ -292,7 +315,7 @@ class QuantFormat:
                 f"quantization_config.format={fmt!r}: pack-quantized, int-quantized or float-quantized is supported"
             )
         return cls("compressed-tensors", int(bits), group_size, bool(wts.symmetric), ct_format=fmt,
-                   activations=activations)
+                   activations=activations, block=block)
 
     def scheme_for(self, name: str) -> QuantFormat:
         """The format of the projection ``name`` (``layers.0.mlp.down_proj``): the first of
@@ -323,6 +346,8 @@ class QuantFormat:
         """Whether the projection ``name`` (``layers.0.self_attn.q_proj``) is stored quantized."""
         if self.method in ("gptq", "awq"):
             return has(name + ".qweight")
+        if self.method == "fp8":
+            return has(name + ".weight_scale_inv")
         return has(name + ".weight_packed") or has(name + ".weight_scale")
 
     def read(self, raw, has, name: str) -> QWeight:
@@ -333,6 +358,8 @@ class QuantFormat:
                 return fmt._gptq(raw, has, name)
             if fmt.method == "awq":
                 return fmt._awq(raw, name)
+            if fmt.method == "fp8":
+                return fmt._fp8_blocks(raw(name + ".weight"), raw(name + ".weight_scale_inv"), name, "weight_scale_inv")
             return fmt._ct(raw, has, name)
         except QuantError:
             raise
@@ -386,7 +413,32 @@ class QuantFormat:
         group = self._group(name, inp, scales.shape[0])
         return QWeight("int", 4, q, scales.float().T.contiguous(), zeros.float().T.contiguous(), group)
 
+    def _fp8_blocks(self, q: torch.Tensor, scale: torch.Tensor, name: str, scale_name: str) -> QWeight:
+        """FP8 with a scale per block of ``self.block`` [rows, inputs] (the last blocks may be
+        partial; None: one scale), as ``QWeight``'s scale per row and group of inputs."""
+        if q.dtype != torch.float8_e4m3fn:
+            raise QuantError(f"{name}.weight: {torch.float8_e4m3fn} expected, got {q.dtype}")
+        out, inp = q.shape
+        scale = scale.float()
+        if self.block is None:
+            if scale.numel() != 1:
+                raise QuantError(f"{name}.{scale_name}: one scale expected (no weight_block_size), got {tuple(scale.shape)}")
+            return QWeight("fp8", 8, q.contiguous(), scale.reshape(1, 1).expand(out, 1).contiguous(), None, inp,
+                           activations=self.activations)
+        rows, cols = self.block
+        want = (-(-out // rows), -(-inp // cols))
+        if tuple(scale.shape) != want:
+            raise QuantError(f"{name}.{scale_name}: shape {tuple(scale.shape)}, expected {want} for blocks of "
+                             f"{rows} x {cols}")
+        per_row = scale.repeat_interleave(rows, dim=0)[:out]  # [out, ceil(in / cols)]
+        if inp % cols:  # a partial last block of inputs: the same scales over groups that divide both
+            group = math.gcd(inp, cols)
+            per_row, cols = per_row.repeat_interleave(cols // group, dim=1)[:, : inp // group], group
+        return QWeight("fp8", 8, q.contiguous(), per_row.contiguous(), None, cols, activations=self.activations)
+
     def _ct(self, raw, has, name: str) -> QWeight:
+        if self.block is not None:
+            return self._fp8_blocks(raw(name + ".weight"), raw(name + ".weight_scale"), name, "weight_scale")
         scale = raw(name + ".weight_scale").float()
         zero_point = raw(name + ".weight_zero_point") if has(name + ".weight_zero_point") else None
         if self.ct_format == "pack-quantized":
@@ -480,7 +532,9 @@ class QuantLinear(_QuantLayer):
         self.path = "reference"
         self._fast: Any = None
         cpu = device.type == "cpu"
-        if qw.kind == "fp8" and qw.activations == "fp8-token" and scaled_mm_runs(device, dtype, qw):
+        if qw.kind == "fp8" and qw.activations == "fp8-token" and qw.scale.shape[1] == 1 and (
+            scaled_mm_runs(device, dtype, qw)
+        ):
             self._fast = self._fp8_scaled(qw)
         elif triton if triton is not None else device.type == "cuda":
             self._fast = self._triton(qw)
@@ -501,6 +555,9 @@ class QuantLinear(_QuantLayer):
                 self.round_tokens = lambda x: fake_quantize_tokens(x.float()).to(x.dtype)
                 self.path = "w8a8-int8pack" if w8a8 else "int8-weight"
             self._fast = self._w8a8 if w8a8 else self.int8
+        elif cpu and qw.kind == "fp8" and qw.scale.shape[1] > 1:  # block-wise: a scale per row and group
+            if (blocks := PackedFP8Blocks.of(qw.q, qw.scale, qw.group, None, dtype)) is not None:
+                self.path, self._fast = "fp8-block-weight", blocks
         elif cpu and qw.kind == "fp8" and (packed := PackedBytes.of(qw.q, qw.scale, None, dtype)) is not None:
             self.path, self._fast = "fp8-weight", packed
         elif cpu and qw.kind == "mxfp4" and (fp4 := PackedMXFP4.of(qw.q, qw.scale, None, dtype)) is not None:
@@ -564,10 +621,12 @@ class QuantLinear(_QuantLayer):
 
         dev = self.device
         zero = qw.zero
+        if qw.group % 16:  # the kernel's K steps: a power of two of at least 16 dividing the group
+            return None
         if qw.kind == "mxfp4":  # the codes as stored, the exponents as float32 powers of two
             self.t_kind, packed, scale, group = "mxfp4", qw.q, mxfp4.scales_of(qw.scale), qw.group
         elif qw.kind == "fp8":
-            self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale.expand(-1, 1), qw.in_features
+            self.t_kind, packed, scale, group = "fp8", qw.q, qw.scale, qw.group  # per row, or per row and block
         elif qw.bits == 4:
             q = qw.q.to(torch.int16)
             if zero is None:  # signed values: unsigned around 8

@@ -126,6 +126,8 @@ SIGNATURES = {
     # x, x row stride, m, k, packed w, n, scales (float32), bias (float32 or null), y, y row stride, threads
     **{f"gemm_{kind}_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT])
        for kind in ("fp8", "int8", "mxfp4") for dtype in ("f32", "bf16")},
+    # the same with the scales' group (block-wise FP8) after the scales
+    **{f"gemm_fp8_block_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I, _INT]) for dtype in ("f32", "bf16")},
     "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     "gemm_gated_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     # x, tokens, d, top_k, chosen, weights, experts, gate_up, gate_up bias, down, down bias, inter, out, threads

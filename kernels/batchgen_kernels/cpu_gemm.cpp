@@ -87,6 +87,12 @@ struct Fp4Pair {
   uint8_t codes;
 };
 
+// The packed block-wise FP8 layout's element: one E4M3 byte, as FP8's (uint8_t), with a scale per
+// column and group of inputs (each group's scale multiplies the widened weights before the FMAs)
+struct Fp8Block {
+  uint8_t bits;
+};
+
 // bf16 GEMMs on AMX tiles where they run (gemm_amx turns them off for tests and benchmarks)
 [[maybe_unused]] bool amx_enabled = true;
 
@@ -422,33 +428,40 @@ inline void fp4_high_bytes(const Fp4Pair* p, __m128i table, __m128i& first, __m1
 #ifdef BATCHGEN_GEMM_AVX512
 
 // R rows x C column vectors of y = (x @ W^T) * scale + bias with W one byte a weight (vectors
-// vstride bytes apart): FP8 (W uint8_t) or int8 (W int8_t)
+// vstride bytes apart): FP8 (W uint8_t) or int8 (W int8_t), a scale per column in the epilogue;
+// or block-wise FP8 (W Fp8Block), the scales per column and group of ``group`` inputs (each
+// vector's k / group of them, 16 floats each, sstride floats apart) multiplying the widened weights
 template <int R, int C, typename T, typename W, typename O, bool Pf>
 inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t vstride, const float* scale,
-                        const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+                        int64_t group, const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  constexpr bool grouped = std::is_same_v<W, Fp8Block>;
+  const int64_t step = grouped ? group : k, sstride = k / step * 16;
   __m512 acc[R][C];
   start_from_bias<R, C>(acc, nullptr);
   int64_t countdown = pf.every;
-  for (int64_t i = 0; i < k; ++i) {
-    if constexpr (Pf) prefetch_step(pf, countdown);
-    __m512 w[C];
-    for (int c = 0; c < C; ++c) {
-      const W* p = wp + c * vstride + i * 16;
-      if constexpr (std::is_same_v<W, int8_t>)
-        w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      else
-        w[c] = _mm512_cvtph_ps(fp8_as_half(p));
+  for (int64_t g = 0; g < k; g += step)
+    for (int64_t i = g; i < g + step; ++i) {
+      if constexpr (Pf) prefetch_step(pf, countdown);
+      __m512 w[C];
+      for (int c = 0; c < C; ++c) {
+        const W* p = wp + c * vstride + i * 16;
+        if constexpr (std::is_same_v<W, int8_t>)
+          w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        else
+          w[c] = _mm512_cvtph_ps(fp8_as_half(reinterpret_cast<const uint8_t*>(p)));
+        if constexpr (grouped) w[c] = _mm512_mul_ps(w[c], _mm512_loadu_ps(scale + c * sstride + g / step * 16));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(batchgen::load(x + r * ldx + i));
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xb, acc[r][c]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(batchgen::load(x + r * ldx + i));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xb, acc[r][c]);
-    }
-  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       alignas(64) float row[16];
       _mm512_store_ps(row, acc[r][c]);
-      scaled_store(row, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+      scaled_store(row, grouped ? nullptr : scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
+                   c == C - 1 ? lastn : 16);
     }
 }
 
@@ -490,39 +503,43 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
 // block_bytes on AVX2: each 16-column vector's bytes widen to two 8-float registers
 template <int R, int C, typename T, typename W, typename O, bool Pf>
 inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t vstride, const float* scale,
-                        const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+                        int64_t group, const float* bias, O* y, int64_t ldy, int lastn, Prefetch pf) {
+  constexpr bool grouped = std::is_same_v<W, Fp8Block>;
+  const int64_t step = grouped ? group : k, sstride = k / step * 16;
   __m256 acc[R][C][2];
   start_from_bias<R, C>(acc, nullptr);
   int64_t countdown = pf.every;
-  for (int64_t i = 0; i < k; ++i) {
-    if constexpr (Pf) prefetch_step(pf, countdown);
-    __m256 xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(batchgen::load(x + r * ldx + i));
-    for (int c = 0; c < C; ++c) {
-      const W* p = wp + c * vstride + i * 16;
-      if constexpr (std::is_same_v<W, int8_t>) {
-        for (int h = 0; h < 2; ++h) {
-          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h * 8));
-          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
-        }
-      } else {
-        const __m256i half = fp8_as_half(p);
-        for (int h = 0; h < 2; ++h) {
-          const __m256 w = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
-          for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+  for (int64_t g = 0; g < k; g += step)
+    for (int64_t i = g; i < g + step; ++i) {
+      if constexpr (Pf) prefetch_step(pf, countdown);
+      __m256 xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(batchgen::load(x + r * ldx + i));
+      for (int c = 0; c < C; ++c) {
+        const W* p = wp + c * vstride + i * 16;
+        if constexpr (std::is_same_v<W, int8_t>) {
+          for (int h = 0; h < 2; ++h) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h * 8));
+            const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+          }
+        } else {
+          const __m256i half = fp8_as_half(reinterpret_cast<const uint8_t*>(p));
+          for (int h = 0; h < 2; ++h) {
+            __m256 w = _mm256_cvtph_ps(h ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half));
+            if constexpr (grouped) w = _mm256_mul_ps(w, _mm256_loadu_ps(scale + c * sstride + g / step * 16 + h * 8));
+            for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(w, xb[r], acc[r][c][h]);
+          }
         }
       }
     }
-  }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     alignas(64) float row[C * 16];
     store_row<C>(acc[r], row);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
-      scaled_store(row + c * 16, scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
-                c == C - 1 ? lastn : 16);
+      scaled_store(row + c * 16, grouped ? nullptr : scale + c * 16, bias ? bias + c * 16 : nullptr,
+                   y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
   }
 }
 
@@ -697,10 +714,11 @@ inline bool amx_gemm(int64_t k) { return k % 32 == 0 && batchgen::amx_permitted(
 // All m rows against C column vectors: full blocks of kRows, then the remainder, each block
 // prefetching its share of the next panel, [next, next_end). O: the output's type (T, or float for
 // bf16 widened). W: float, bf16 pairs (uint32_t), or quantized with ``scale``: FP8 or int8 bytes
-// (uint8_t / int8_t, a scale per column), MXFP4 pairs (Fp4Pair, a scale per column and 32 inputs).
+// (uint8_t / int8_t, a scale per column), MXFP4 pairs (Fp4Pair, a scale per column and 32 inputs),
+// block-wise FP8 bytes (Fp8Block, a scale per column and ``group`` inputs).
 template <typename T, typename W, int C, typename O, bool Gated>
 void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t vstride, const float* bias,
-                  O* y, int64_t ldy, int lastn, const W* next, const W* next_end, const float* scale) {
+                  O* y, int64_t ldy, int lastn, const W* next, const W* next_end, const float* scale, int64_t group) {
   const int64_t blocks = (m + kRows - 1) / kRows;
   const int64_t steps = std::is_same_v<W, uint32_t> || std::is_same_v<W, Fp4Pair> ? k / 2 : k;
   const char* lo = reinterpret_cast<const char*>(next);
@@ -717,12 +735,14 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
         block_mxfp4<R, C, T, O, true>(x + r * ldx, ldx, wp, k, vstride, scale, sstride, bias, y + r * ldy, ldy, lastn, pf);
       else
         block_mxfp4<R, C, T, O, false>(x + r * ldx, ldx, wp, k, vstride, scale, sstride, bias, y + r * ldy, ldy, lastn, pf);
-    } else if constexpr (std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t>) {
+    } else if constexpr (std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t> || std::is_same_v<W, Fp8Block>) {
       static_assert(!Gated, "FP8 and int8 weights are not packed gated");
       if (pf.per)
-        block_bytes<R, C, T, W, O, true>(x + r * ldx, ldx, wp, k, vstride, scale, bias, y + r * ldy, ldy, lastn, pf);
+        block_bytes<R, C, T, W, O, true>(x + r * ldx, ldx, wp, k, vstride, scale, group, bias, y + r * ldy, ldy, lastn,
+                                         pf);
       else
-        block_bytes<R, C, T, W, O, false>(x + r * ldx, ldx, wp, k, vstride, scale, bias, y + r * ldy, ldy, lastn, pf);
+        block_bytes<R, C, T, W, O, false>(x + r * ldx, ldx, wp, k, vstride, scale, group, bias, y + r * ldy, ldy,
+                                          lastn, pf);
     } else
 #endif
 #ifdef BATCHGEN_GEMM_BF16
@@ -756,7 +776,7 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
 // where Gated: n a multiple of 32, y [m, n / 2]). Called inside a parallel region.
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
-               const float* bias, O* y, int64_t ldy, const float* scale = nullptr) {
+               const float* bias, O* y, int64_t ldy, const float* scale = nullptr, int64_t group = 0) {
 #ifdef BATCHGEN_GEMM_AMX
   if constexpr (std::is_same_v<W, uint32_t>)
     if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
@@ -780,17 +800,20 @@ void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, con
     const W* next = w + cn * vstride;
     const W* next_end = prefetch ? wp + std::min<int64_t>(hi, v + cn + kCols) * vstride : next;
     const float* b = bias ? bias + v * 16 : nullptr;
-    // FP8: a scale per column; MXFP4: per column and group of 32 inputs
-    const float* sc = scale ? scale + v * (std::is_same_v<W, Fp4Pair> ? k / 32 * 16 : 16) : nullptr;
+    // FP8: a scale per column; MXFP4: per column and group of 32 inputs; block-wise FP8: of ``group``
+    const int64_t per_vector = std::is_same_v<W, Fp4Pair> ? k / 32 * 16 : std::is_same_v<W, Fp8Block> ? k / group * 16 : 16;
+    const float* sc = scale ? scale + v * per_vector : nullptr;
     O* out = y + v / unit * 16;
     switch (cn) {
-      case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc); break;
-      case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc); break;
+      case 4: column_panel<T, W, 4, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc, group); break;
+      case 2: column_panel<T, W, 2, O, Gated>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc, group); break;
       case 3:
-        if constexpr (!Gated) column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc);
+        if constexpr (!Gated)
+          column_panel<T, W, 3, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc, group);
         break;
       default:
-        if constexpr (!Gated) column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc);
+        if constexpr (!Gated)
+          column_panel<T, W, 1, O, false>(x, ldx, m, k, w, vstride, b, out, ldy, lastn, next, next_end, sc, group);
         break;
     }
   }
@@ -805,12 +828,14 @@ int threads_for(int64_t n, int threads) {
 
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n, const float* bias, O* y,
-          int64_t ldy, int threads, const float* scale = nullptr) {
+          int64_t ldy, int threads, const float* scale = nullptr, int64_t group = 0) {
   BG_EXPECT(x && wp && y && m >= 0 && k > 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
-  BG_EXPECT((std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t> || std::is_same_v<W, Fp4Pair>) ==
-            (scale != nullptr));
+  BG_EXPECT((std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t> || std::is_same_v<W, Fp4Pair> ||
+             std::is_same_v<W, Fp8Block>) == (scale != nullptr));
+  BG_EXPECT((!std::is_same_v<W, Fp8Block> || (group > 0 && k % group == 0)));
 #pragma omp parallel num_threads(threads_for<Gated>(n, threads))
-  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy, scale);
+  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy, scale,
+                            group);
 }
 
 // A mixture-of-experts layer's experts (SwiGLU, gate_up packed gated) in one parallel region: the
@@ -883,17 +908,20 @@ int experts(const T* x, int64_t tokens, int64_t d, int64_t top_k, const int64_t*
 // The quantized GEMMs' entry points: y [m, n] = (x [m, k] @ W^T) * scale + bias with W packed by
 // gemm_pack_bytes (FP8 or int8) or gemm_pack_mxfp4; scale and bias float32, padded to whole
 // vectors (bias may be null). FP8's scale is the column's times 2^8 (the widening's factor); int8's
-// the column's; MXFP4's gemm_pack_mxfp4's. 1 where the library has no such kernel (or k is not a
-// multiple of 32 for MXFP4).
+// the column's; MXFP4's gemm_pack_mxfp4's; block-wise FP8's [ceil(n/16)][k/group][16], each the
+// column's and group's times 2^8. 1 where the library has no such kernel (or k is not a multiple of
+// 32 for MXFP4, of ``group`` for block-wise FP8).
 template <typename T, typename W>
 int quant_gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const void* wp, int64_t n, const float* scale,
-               const float* bias, T* y, int64_t ldy, int threads) {
+               const float* bias, T* y, int64_t ldy, int threads, int64_t group = 0) {
 #ifdef BATCHGEN_GEMM_QUANT
   if (std::is_same_v<W, Fp4Pair> && k % 32) return 1;
-  gemm<T, W, T>(x, ldx, m, k, static_cast<const W*>(wp), n, bias, y, ldy, threads, scale);
+  if (std::is_same_v<W, Fp8Block> && (group <= 0 || k % group)) return 1;
+  gemm<T, W, T>(x, ldx, m, k, static_cast<const W*>(wp), n, bias, y, ldy, threads, scale, group);
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  (void)group;
   return 1;
 #endif
 }
@@ -1072,6 +1100,15 @@ int gemm_fp8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_
 int gemm_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
                   const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
   return quant_gemm<uint16_t, uint8_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+}
+// block-wise FP8: ``scales`` per column and group of ``group`` inputs (see quant_gemm)
+int gemm_fp8_block_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                       const float* scales, int64_t group, const float* bias, float* y, int64_t ldy, int threads) {
+  return quant_gemm<float, Fp8Block>(x, ldx, m, k, wp, n, scales, bias, y, ldy, threads, group);
+}
+int gemm_fp8_block_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                        const float* scales, int64_t group, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+  return quant_gemm<uint16_t, Fp8Block>(x, ldx, m, k, wp, n, scales, bias, y, ldy, threads, group);
 }
 int gemm_int8_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
                   const float* scale, const float* bias, float* y, int64_t ldy, int threads) {

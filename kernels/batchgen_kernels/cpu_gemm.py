@@ -117,8 +117,10 @@ class _Widened:
     ``x @ weight.T + bias`` in that dtype, the weight widened in registers."""
 
     def __init__(self, kernel: str, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
+                 bias: torch.Tensor | None, dtype: torch.dtype, group: int | None = None):
+        """``group``: the inputs per scale, for the kernels that take it (block-wise FP8)."""
         self.kernel, self.packed, self.scale, self.n, self.k, self.dtype = kernel, packed, scale, n, k, dtype
+        self._group = () if group is None else (group,)
         self.bias = None if bias is None else _padded(bias, n)
         self._gemm = getattr(load(), f"{kernel}_" + DTYPE_SUFFIX[dtype])
         self._bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
@@ -131,8 +133,8 @@ class _Widened:
         out = torch.empty((m, self.n), dtype=self.dtype)
         if m == 0:
             return out
-        rc = self._gemm(x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n,
-                        self.scale.data_ptr(), self._bias_ptr, out.data_ptr(), self.n, torch.get_num_threads())
+        rc = self._gemm(x.data_ptr(), x.stride(0), m, self.k, self.packed.data_ptr(), self.n, self.scale.data_ptr(),
+                        *self._group, self._bias_ptr, out.data_ptr(), self.n, torch.get_num_threads())
         if rc:  # of() packed it, so only another build of the library gets here
             raise KernelArgumentError(f"{self.kernel}: the library has no kernel for {self.dtype}")
         return out
@@ -169,6 +171,32 @@ class PackedBytes(_Widened):
         # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
         columns = _padded(scale.float() * (256.0 if kind == "fp8" else 1.0), n)
         return cls(f"gemm_{kind}", packed, columns, n, k, bias, dtype)
+
+
+class PackedFP8Blocks(_Widened):
+    """A block-wise FP8 (E4M3) weight [n, k], one byte a weight, with a float32 scale per output
+    column and group of ``group`` inputs (``scale`` [n, k / group]): ``x @ (weight * scale).T + bias``,
+    each group's scale multiplying the widened weights before the FMAs."""
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> PackedFP8Blocks | None:
+        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
+        without AVX2, FMA and F16C; ``dtype`` other than float32 / bfloat16; inputs not whole groups)."""
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or dtype not in DTYPE_SUFFIX or not available():
+            return None
+        n, k = weight.shape
+        if n == 0 or group <= 0 or k % group or scale.shape != (n, k // group):
+            return None
+        vectors = (n + 15) // 16
+        packed = torch.empty(vectors * k * 16, dtype=torch.uint8)
+        if load().gemm_pack_bytes(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+            return None
+        # [n, groups] -> [vectors][groups][16], zero past n; times 2^8, the widening's factor (PackedBytes)
+        scales = torch.zeros(vectors * 16, k // group, dtype=torch.float32)
+        scales[:n] = scale.float() * 256.0
+        scales = scales.view(vectors, 16, k // group).transpose(1, 2).contiguous().view(-1)
+        return cls("gemm_fp8_block", packed, scales, n, k, bias, dtype, group)
 
 
 class PackedMXFP4(_Widened):

@@ -6,7 +6,8 @@ Weights (``QuantLinear``'s GPU layout, ``batchgen/model/quant.py``):
 - int4: ``packed`` uint8 [N, K / 2], input 2k in the low nibble and 2k + 1 in the high one, values
   0..15; ``scale`` and ``zero`` float32 [N, K / group]: ``w = (q - zero) * scale``;
 - int8: ``packed`` int8 [N, K] (signed, ``zero`` all 0) or uint8 with ``zero``;
-- fp8: ``packed`` float8_e4m3fn [N, K], ``scale`` [N, 1] (per row; a per-tensor scale repeated);
+- fp8: ``packed`` float8_e4m3fn [N, K], ``scale`` [N, 1] (per row; a per-tensor scale repeated)
+  or [N, K / group] (block-wise: a row block's scales repeated over its rows);
 - mxfp4 (gpt-oss's experts): ``packed`` uint8 [N, K / 2], two E2M1 codes a byte as int4's values,
   ``scale`` float32 [N, K / 32], each group's power of two.
 
@@ -99,8 +100,10 @@ def quant_gemm(
         raise ValueError(f"quant_gemm: zero must be like scale, got {tuple(zero.shape)} {zero.dtype}")
     if x.stride(1) != 1:
         raise ValueError("quant_gemm: x must have contiguous rows")
+    bk = 32 if group % 32 == 0 else group & -group  # a power of two dividing the group
+    if bk < 16:
+        raise ValueError(f"quant_gemm: group {group} is not a multiple of 16")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bk = 32 if group % 32 == 0 else group
     grid = (triton.cdiv(m, 16), triton.cdiv(n, 64))
     _quant_gemm_kernel[grid](
         x, packed, scale, scale if zero is None else zero, y, m, n, k, group,

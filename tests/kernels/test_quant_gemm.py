@@ -1,6 +1,6 @@
 """The weight-only quantized GEMM kernel (``batchgen_kernels.quant_gemm``) against its torch reference
 under Triton's interpreter: int4 two per byte with zero points, int8 signed and with zero points,
-FP8 with per-row scales; odd row counts and group sizes; and ``QuantLinear`` on the kernel (its
+FP8 with per-row or per-block scales; odd row counts and group sizes; and ``QuantLinear`` on the kernel (its
 GPU layout, built from each format's weights) against the dequantized weight."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from batchgen_kernels.quant_gemm import pack_int4, quant_gemm, quant_gemm_ref  #
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 128), ("fp8", 128), ("mxfp4", 32)]
+    "kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 128), ("fp8", 128), ("fp8", 32), ("mxfp4", 32)]
 )
 def test_the_kernel_equals_the_reference(kind, group, dtype):
     gen = torch.Generator().manual_seed(0)
@@ -65,13 +65,16 @@ def test_arguments_are_checked():
         quant_gemm(x, "int8", torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 3), None, 32)
     with pytest.raises(ValueError, match="kind must be"):
         quant_gemm(x, "int2", torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 2), None, 32)
+    with pytest.raises(ValueError, match="group 8 is not a multiple of 16"):
+        quant_gemm(x, "int8", torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 8), None, 8)
 
 
 @pytest.mark.parametrize(
     "fmt,opts",
     [("gptq", dict(bits=4, group=32, sym=False, desc_act=True)), ("awq", dict(group=32, sym=False)),
      ("ct-int4", dict(group=32)), ("gptq", dict(bits=8, group=32, sym=False)), ("ct-w8a8", {}),
-     ("ct-fp8", dict(per_channel=True)), ("ct-fp8", {})],
+     ("ct-fp8", dict(per_channel=True)), ("ct-fp8", {}), ("fp8", dict(block=(32, 32))),
+     ("ct-fp8", dict(per_channel="block", block=(16, 48)))],
 )
 def test_quant_linear_on_the_kernel_equals_the_dequantized_weight(fmt, opts):
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2)) * 0.05

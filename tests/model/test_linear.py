@@ -401,6 +401,15 @@ def fp8_kernel_runs() -> bool:
                                  torch.float32) is not None
 
 
+def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor, rows: int, n: int, dtype: torch.dtype) -> None:
+    """A widening kernel's output against the float64 product: within float32's rounding, or
+    bfloat16's rounding of the output."""
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if rows:
+        rel = 1e-5 if dtype == torch.float32 else 2**-8
+        assert (got.double() - want).abs().max() <= rel * want.abs().max()
+
+
 def byte_weight(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """fp8: every one of the 256 E4M3 codes but NaN (the subnormals and zero among the first
     row's); int8: every value from -128 to 127."""
@@ -435,10 +444,7 @@ def test_byte_kernel_equals_the_widened_weight(kind, dtype, rows, n):
         want = x.double() @ (w.double() * scale.double().reshape(-1, 1)).T
         if n % 2:
             want = want + bias.double()
-        assert got.shape == (rows, n) and got.dtype == dtype
-        if rows:
-            rel = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output's rounding
-            assert (got.double() - want).abs().max() <= rel * want.abs().max()
+        assert_close_to_float64(got, want, rows, n, dtype)
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
@@ -453,6 +459,43 @@ def test_fp8_kernel_refuses_what_it_cannot_take():
         packed(torch.zeros(2, 32))
     with pytest.raises(cpu_gemm.KernelArgumentError, match=r"gemm_fp8: x must have shape \[\*, 32\]"):
         packed(torch.zeros(2, 31, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
+@pytest.mark.parametrize("n,group", [(5, 16), (16, 48), (88, 32), (33, 96)])
+def test_fp8_block_kernel_equals_the_widened_weight(dtype, rows, n, group):
+    """Block-wise FP8: every E4M3 code but NaN, a scale per column and group of inputs (2^-12 to
+    2^4, each group's different) multiplying the widened weights, against the float64 product;
+    one group or several, column tails, register-block row remainders, a strided input."""
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    k = 96
+    w = byte_weight("fp8", n, k, gen)
+    scale = torch.exp2(torch.randint(-12, 5, (n, k // group), generator=gen).float()) * (
+        torch.rand(n, k // group, generator=gen) + 0.5)
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
+    packed = cpu_gemm.PackedFP8Blocks.of(w, scale, group, bias, dtype)
+    assert packed is not None and packed.kernel == "gemm_fp8_block"
+    want = x.double() @ (w.double() * scale.double().repeat_interleave(group, dim=1)).T
+    if bias is not None:
+        want = want + bias.double()
+    got = packed(x)
+    assert_close_to_float64(got, want, rows, n, dtype)
+
+
+@pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
+def test_fp8_block_kernel_refuses_what_it_cannot_take():
+    w, scale = torch.zeros(16, 64, dtype=torch.float8_e4m3fn), torch.ones(16, 2)
+    assert cpu_gemm.PackedFP8Blocks.of(w, scale, 32, None, torch.float32) is not None
+    assert cpu_gemm.PackedFP8Blocks.of(w, scale, 48, None, torch.float32) is None  # 64 inputs: not whole groups
+    assert cpu_gemm.PackedFP8Blocks.of(w, scale[:, :1], 32, None, torch.float32) is None  # scales for half
+    assert cpu_gemm.PackedFP8Blocks.of(w.view(torch.uint8), scale, 32, None, torch.float32) is None
+    assert cpu_gemm.PackedFP8Blocks.of(w, scale, 32, None, torch.float16) is None
+    packed = cpu_gemm.PackedFP8Blocks.of(w, scale, 32, None, torch.bfloat16)
+    with pytest.raises(cpu_gemm.KernelArgumentError, match=r"gemm_fp8_block: x must have shape \[\*, 64\]"):
+        packed(torch.zeros(2, 32, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / MXFP4 GEMM kernel on this CPU")
@@ -480,10 +523,7 @@ def test_mxfp4_kernel_equals_the_widened_weight(dtype, rows, n):
     if bias is not None:
         want = want + bias.double()
     got = packed(x)
-    assert got.shape == (rows, n) and got.dtype == dtype
-    if rows:
-        rel = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: the output's rounding
-        assert (got.double() - want).abs().max() <= rel * want.abs().max()
+    assert_close_to_float64(got, want, rows, n, dtype)
     exponents[0, 0] = 240
     big = cpu_gemm.PackedMXFP4.of(blocks, exponents, None, torch.float32)
     assert big is not None and torch.isfinite(big(x.float())).all()

@@ -41,6 +41,10 @@ CASES = {
     "ct-w8a8": ("ct-w8a8", {}, 2e-3),
     "ct-fp8-tensor": ("ct-fp8", {}, 2e-3),
     "ct-fp8-per-row": ("ct-fp8", dict(per_channel=True), 2e-3),
+    # block-wise FP8: blocks of 48 rows x 32 or 48 inputs (the last partial where 48 does not divide)
+    "ct-fp8-block": ("ct-fp8", dict(per_channel="block", block=(48, 32)), 2e-3),
+    "fp8-block": ("fp8", dict(block=(48, 48)), 2e-3),
+    "fp8-tensor": ("fp8", dict(block=None), 2e-3),
 }
 # compressed-tensors' mixed precision: attention in FP8 per row, the MLP in asymmetric int4 per group
 MIXED = [("re:.*self_attn.*", "ct-fp8", dict(per_channel=True)), ("re:.*mlp.*", "ct-int4", dict(group=32, sym=False))]
@@ -54,7 +58,7 @@ def _nibbles(words: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([(u >> (bits * k)) & (2**bits - 1) for k in range(32 // bits)], axis=-1)
 
 
-def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False) -> torch.Tensor:
+def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False, block=None) -> torch.Tensor:
     if fmt == "gptq":  # qweight [in/per, out] along the inputs; qzeros [groups, out/per] along the outputs, minus 1 (v1)
         q = np.moveaxis(_nibbles(t["qweight"].numpy(), bits), -1, 1).reshape(-1, t["qweight"].shape[1])
         z = _nibbles(t["qzeros"].numpy(), bits).reshape(t["qzeros"].shape[0], -1) + (0 if v2 else 1)
@@ -80,7 +84,11 @@ def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False
             z = np.moveaxis(_nibbles(t["weight_zero_point"].numpy(), bits), -1, 1).reshape(-1, s.shape[1])
             q = q - np.repeat(z - 2 ** (bits - 1), q.shape[1] // s.shape[1], axis=1)
         return torch.from_numpy((q * np.repeat(s, q.shape[1] // s.shape[1], axis=1)).astype(np.float32))
-    return t["weight"].float() * t["weight_scale"].float()  # int8 / fp8 values, per-row or per-tensor scale
+    s = (t["weight_scale_inv"] if fmt == "fp8" else t["weight_scale"]).float().numpy()
+    w = t["weight"].float().numpy()
+    if block:  # a scale per block of [rows, inputs], the last ones partial
+        s = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
+    return torch.from_numpy((w * s).astype(np.float32))  # int8 / fp8 values, per-row or per-tensor scale
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -90,10 +98,11 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
 
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     tensors, deq = quantize_weight(w, fmt, **opts)
-    bits = 8 if fmt in ("ct-int8", "ct-w8a8", "ct-fp8") else opts.get("bits", 4)
-    assert torch.allclose(dequantize(fmt, tensors, bits, opts.get("v2", False)), deq, atol=1e-6)
+    bits = 8 if fmt in ("ct-int8", "ct-w8a8", "ct-fp8", "fp8") else opts.get("bits", 4)
+    block = opts.get("block") if fmt == "fp8" or opts.get("per_channel") == "block" else None
+    assert torch.allclose(dequantize(fmt, tensors, bits, opts.get("v2", False), block), deq, atol=1e-6)
     # close to the weight it encodes: within half a step of its grid (fp8: 3 mantissa bits)
-    bound = {4: 1 / 14, 8: 1 / 250}[bits] if fmt != "ct-fp8" else 1 / 16
+    bound = {4: 1 / 14, 8: 1 / 250}[bits] if fmt not in ("ct-fp8", "fp8") else 1 / 16
     assert (deq - w).abs().max() / w.abs().max() < bound
     # batchgen's reader gives the same weight
     qfmt = quant.QuantFormat.of(__import__("batchgen.tiny_quant", fromlist=["x"]).quantization_config(fmt, **opts))
@@ -104,20 +113,22 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")  # run_compressed=False: decompress at load
 @pytest.mark.parametrize("case", ["ct-int4-g32", "ct-int4-g32-asym", "ct-int8-per-row", "ct-w8a8", "ct-fp8-tensor",
-                                  "ct-fp8-per-row", "ct-mixed"])
+                                  "ct-fp8-per-row", "ct-fp8-block", "ct-mixed", "fp8-block", "fp8-tensor"])
 def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path, case):
-    """The compressed-tensors writer against the format's own package: transformers with
-    ``compressed-tensors`` decompresses the checkpoint to the same weights as the writer's
-    dequantized ones (and so as batchgen's reader, checked above). Mixed precision, which
-    transformers decompresses with one config group for every dense module: each module with the
-    package's compressor of the group that targets it."""
+    """The compressed-tensors and fine-grained FP8 writers against the formats' own loaders:
+    transformers (with ``compressed-tensors``; FP8 with ``dequantize=True``) dequantizes the
+    checkpoint to the same weights as the writer's dequantized ones (and so as batchgen's reader,
+    checked above). Mixed precision, which transformers decompresses with one config group for
+    every dense module: each module with the package's compressor of the group that targets it."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.utils import match_name
     from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
+    from transformers.utils.quantization_config import CompressedTensorsConfig, FineGrainedFP8Config
 
     fmt, opts, _ = CASES[case] if case != "ct-mixed" else ("ct-mixed", dict(schemes=MIXED), None)
+    if opts.get("block"):  # transformers' FP8 dequantizer takes whole blocks only
+        opts = {**opts, "block": (32, 32)}
     src = make_model(tmp_path / "src", "llama", seed=2)
     dequantized = quantize_model(src, tmp_path / "q", fmt, **opts)
     if fmt == "ct-mixed":
@@ -132,9 +143,9 @@ def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path
             state[name] = BaseCompressor.get_value_from_registry(scheme.format).decompress(own, scheme)["weight"]
         assert {s.format for s in config.config_groups.values()} == {"float-quantized", "pack-quantized"}
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "q"), dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
-        )
+        loading = (FineGrainedFP8Config(dequantize=True, weight_block_size=opts["block"]) if fmt == "fp8"
+                   else CompressedTensorsConfig(run_compressed=False))
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"), dtype=torch.float32, quantization_config=loading)
         state = model.state_dict()
     assert dequantized and set(dequantized) <= set(state)
     for name, want in dequantized.items():
@@ -284,7 +295,8 @@ def byte_kernel_runs() -> bool:
 
 
 # the formats the compiled GEMM kernel runs (where it builds: AVX2 with FMA and F16C, or AVX-512)
-KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "ct-int8-per-row": "int8-kernel",
+KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "ct-fp8-block": "fp8-block-weight",
+                "fp8-block": "fp8-block-weight", "fp8-tensor": "fp8-weight", "ct-int8-per-row": "int8-kernel",
                 "ct-w8a8": "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
 
 
@@ -319,7 +331,8 @@ def test_int8_falls_back_to_torchs_gemm_when_told(llama_src, tmp_path, monkeypat
         cpu.library_kernels.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym", "awq-4bit-g32", "ct-int8-per-row", "ct-w8a8", "ct-fp8-per-row"])
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym", "awq-4bit-g32", "ct-int8-per-row", "ct-w8a8", "ct-fp8-per-row",
+                                  "fp8-block"])
 def test_moe_experts_in_each_format_equal_the_dequantized_oracle(moe_src, tmp_path, case):
     path, oracle, tol = build(moe_src, tmp_path, case)
     assert failures(path, oracle, tol) == []
@@ -445,6 +458,12 @@ def test_bad_quantized_checkpoints_name_the_tensor_or_field(llama_src, tmp_path)
             "leave it unquantized")
     refused(_edit(tmp_path / "ct", tmp_path / "j", config=lambda q: weights(q).update(symmetric=False)),
             r"q_proj.weight_zero_point: missing")
+    # fine-grained FP8
+    quantize_model(llama_src, tmp_path / "fp8", "fp8", block=(32, 32))
+    refused(_edit(tmp_path / "fp8", tmp_path / "m", tensors=lambda s: s.update({name + ".weight_scale_inv": s[name + ".weight_scale_inv"][:1].contiguous()})),
+            r"q_proj.weight_scale_inv: shape \(1, 2\), expected \(2, 2\) for blocks of 32 x 32")
+    refused(_edit(tmp_path / "fp8", tmp_path / "n", config=lambda q: q.update(activation_scheme="static")),
+            "activation_scheme='static'")
     # GPTQModel's dynamic rules
     refused(_edit(tmp_path / "gptq", tmp_path / "k", config=lambda q: q.update(dynamic={r".*mlp.*": {"bits": 2}})),
             r"quantization_config.dynamic\['.\*mlp.\*'\].bits=2")
