@@ -60,11 +60,12 @@ def _groups(w: torch.Tensor, group: int) -> int:
 
 def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, sym: bool = True,
                     desc_act: bool = False, per_channel: bool | str = False, seed: int = 0, v2: bool = False,
-                    block: tuple[int, int] | None = (128, 128)):
+                    block: tuple[int, int] | None = (128, 128), ue8m0: bool = False):
     """One [out, in] float32 weight in ``fmt``: (tensors by suffix, dequantized float32 weight).
     ``v2``: GPTQ's ``gptq_v2`` checkpoint format (zero points stored as they are, not minus one).
     ``block``: FP8's blocks of [rows, inputs] with a scale each (``fp8``: transformers' fine-grained
-    FP8, None one scale; ``ct-fp8``: compressed-tensors' block strategy where ``per_channel="block"``)."""
+    FP8, None one scale; ``ct-fp8``: compressed-tensors' block strategy where ``per_channel="block"``);
+    ``ue8m0``: ``fp8``'s scales powers of two stored as float8_e8m0fnu (``scale_fmt: ue8m0``)."""
     gen = torch.Generator().manual_seed(seed)
     out, inp = w.shape
     if fmt == "fp8" or fmt == "ct-fp8" and per_channel == "block":
@@ -73,10 +74,12 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
         padded = torch.zeros(grid[0] * rows, grid[1] * cols)
         padded[:out, :inp] = w
         scale = (padded.view(grid[0], rows, grid[1], cols).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        if ue8m0:  # the next power of two: a byte of exponent
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
         q = (w / full).to(torch.float8_e4m3fn)
-        scale = scale if block else scale.reshape(())
-        return {"weight": q, "weight_scale_inv" if fmt == "fp8" else "weight_scale": scale}, q.float() * full
+        stored = (scale if block else scale.reshape(())).to(torch.float8_e8m0fnu if ue8m0 else torch.float32)
+        return {"weight": q, "weight_scale_inv" if fmt == "fp8" else "weight_scale": stored}, q.float() * full
     if fmt == "ct-fp8":
         scale = (w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)) / 448.0
         q = (w / scale).to(torch.float8_e4m3fn)
@@ -134,7 +137,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, bits: int = 4, group: int = 128, 
 
 def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = True, desc_act: bool = False,
                         per_channel: bool | str = False, v2: bool = False,
-                        block: tuple[int, int] | None = (128, 128)) -> dict:
+                        block: tuple[int, int] | None = (128, 128), ue8m0: bool = False) -> dict:
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
                 "checkpoint_format": "gptq_v2" if v2 else "gptq"}
@@ -142,7 +145,7 @@ def quantization_config(fmt: str, bits: int = 4, group: int = 128, sym: bool = T
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     if fmt == "fp8":  # as the hub's DeepSeek / Qwen FP8 checkpoints state it
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                "weight_block_size": list(block) if block else None}
+                "weight_block_size": list(block) if block else None, "scale_fmt": "ue8m0" if ue8m0 else "float"}
     weights: dict = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
     acts = None
     if fmt in ("ct-int4", "ct-int8"):

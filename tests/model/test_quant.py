@@ -44,6 +44,7 @@ CASES = {
     # block-wise FP8: blocks of 48 rows x 32 or 48 inputs (the last partial where 48 does not divide)
     "ct-fp8-block": ("ct-fp8", dict(per_channel="block", block=(48, 32)), 2e-3),
     "fp8-block": ("fp8", dict(block=(48, 48)), 2e-3),
+    "fp8-block-ue8m0": ("fp8", dict(block=(48, 48), ue8m0=True), 2e-3),  # scales as float8_e8m0fnu (DeepSeek V3.2)
     "fp8-tensor": ("fp8", dict(block=None), 2e-3),
 }
 # compressed-tensors' mixed precision: attention in FP8 per row, the MLP in asymmetric int4 per group
@@ -113,7 +114,8 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")  # run_compressed=False: decompress at load
 @pytest.mark.parametrize("case", ["ct-int4-g32", "ct-int4-g32-asym", "ct-int8-per-row", "ct-w8a8", "ct-fp8-tensor",
-                                  "ct-fp8-per-row", "ct-fp8-block", "ct-mixed", "fp8-block", "fp8-tensor"])
+                                  "ct-fp8-per-row", "ct-fp8-block", "ct-mixed", "fp8-block", "fp8-block-ue8m0",
+                                  "fp8-tensor"])
 def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path, case):
     """The compressed-tensors and fine-grained FP8 writers against the formats' own loaders:
     transformers (with ``compressed-tensors``; FP8 with ``dequantize=True``) dequantizes the
@@ -143,7 +145,8 @@ def test_compressed_tensors_checkpoints_load_in_the_formats_own_library(tmp_path
             state[name] = BaseCompressor.get_value_from_registry(scheme.format).decompress(own, scheme)["weight"]
         assert {s.format for s in config.config_groups.values()} == {"float-quantized", "pack-quantized"}
     else:
-        loading = (FineGrainedFP8Config(dequantize=True, weight_block_size=opts["block"]) if fmt == "fp8"
+        loading = (FineGrainedFP8Config(dequantize=True, weight_block_size=opts["block"],
+                                        scale_fmt="ue8m0" if opts.get("ue8m0") else "float") if fmt == "fp8"
                    else CompressedTensorsConfig(run_compressed=False))
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"), dtype=torch.float32, quantization_config=loading)
         state = model.state_dict()
@@ -296,7 +299,7 @@ def byte_kernel_runs() -> bool:
 
 # the formats the compiled GEMM kernel runs (where it builds: AVX2 with FMA and F16C, or AVX-512)
 KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "ct-fp8-block": "fp8-block-weight",
-                "fp8-block": "fp8-block-weight", "fp8-tensor": "fp8-weight", "ct-int8-per-row": "int8-kernel",
+                "fp8-block": "fp8-block-weight", "fp8-block-ue8m0": "fp8-block-weight", "fp8-tensor": "fp8-weight", "ct-int8-per-row": "int8-kernel",
                 "ct-w8a8": "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
 
 
