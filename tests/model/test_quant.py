@@ -411,7 +411,8 @@ def test_resident_memory_is_a_fraction_of_the_bf16_models(tmp_path):
     bf16 = grown(small, big, "torch")
     assert bf16 > 25e6  # about 15M parameters in bf16
     # (GPTQ and AWQ int4 end in the same packed int4 layer as compressed-tensors int4)
-    for fmt, opts, limit in (("ct-int4", dict(group=128), 0.35), ("ct-int8", dict(group=-1), 0.6), ("ct-w8a8", {}, 0.6)):
+    for fmt, opts, limit in (("ct-int4", dict(group=128), 0.35), ("ct-int8", dict(group=-1), 0.6), ("ct-w8a8", {}, 0.6),
+                             ("fp8", dict(block=(128, 128)), 0.6)):
         quantize_model(big, tmp_path / f"big-{fmt}", fmt, **opts)
         quantize_model(small, tmp_path / f"small-{fmt}", fmt, **opts)
         ratio = grown(tmp_path / f"small-{fmt}", tmp_path / f"big-{fmt}") / bf16
