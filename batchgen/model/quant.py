@@ -87,12 +87,11 @@ class QWeight:
         if self.kind == "mxfp4":
             blocks = self.q.view(self.out_features, -1, mxfp4.GROUP // 2)
             return mxfp4.dequantize(blocks, self.scale, dtype).view(self.out_features, self.in_features)
-        if self.kind == "fp8":  # a scale per row (or one), or per row and group of inputs (block-wise)
-            w = self.q.float() * (self.scale.repeat_interleave(self.group, dim=1) if self.scale.shape[1] > 1 else self.scale)
-        else:
-            s = self.scale.repeat_interleave(self.group, dim=1)
-            w = self.q.float() if self.zero is None else self.q.float() - self.zero.repeat_interleave(self.group, dim=1)
-            w = w * s
+        # int and FP8 values [out, groups, group] against their scales (and zeros) per row and group
+        w = self.q.float().view(self.out_features, -1, self.group)
+        if self.zero is not None:
+            w = w - self.zero.unsqueeze(-1)
+        w = (w * self.scale.unsqueeze(-1)).view(self.out_features, self.in_features)
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
@@ -216,7 +215,7 @@ class QuantFormat:
         block = c.get("weight_block_size", (128, 128))
         if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise QuantError(f"quantization_config.weight_block_size={block!r}: two positive integers expected")
-        return cls("fp8", 8, block[1] if block else -1, block=(block[0], block[1]) if block else None)
+        return cls("fp8", 8, block=(block[0], block[1]) if block else None)
 
     @classmethod
     def _gptq_config(cls, c: dict) -> QuantFormat:
@@ -281,31 +280,31 @@ class QuantFormat:
         if wts is None:
             raise QuantError(f"{where}.weights: missing (activation-only quantization is not supported)")
         bits, kind, strategy = wts.num_bits, wts.type, wts.strategy
-        where += ".weights"
+        weights = where + ".weights"
         block = None
         if strategy == "block" and fmt == "float-quantized" and wts.block_structure:
             block = (wts.block_structure[0], wts.block_structure[1])  # FP8 block-wise: a scale per [rows, inputs]
         elif strategy not in ("channel", "group", "tensor"):
-            raise QuantError(f"{where}.strategy={strategy!r}: channel, group or tensor is supported "
+            raise QuantError(f"{weights}.strategy={strategy!r}: channel, group or tensor is supported "
                              "(block for float-quantized FP8)")
         group_size = int(wts.group_size or -1) if strategy == "group" else -1
         activations = None
         if fmt == "pack-quantized":
             if kind != "int" or bits not in (4, 8) or acts is not None or strategy == "tensor":
-                raise QuantError(f"{where}: pack-quantized int4 / int8 weight-only, per channel or group, "
+                raise QuantError(f"{weights}: pack-quantized int4 / int8 weight-only, per channel or group, "
                                  f"is supported ({kind} {bits} bits, {strategy})")
         elif fmt == "int-quantized":
             if kind != "int" or bits != 8:
-                raise QuantError(f"{where}: int-quantized 8-bit integers are supported ({kind} {bits} bits)")
+                raise QuantError(f"{weights}: int-quantized 8-bit integers are supported ({kind} {bits} bits)")
             if acts is not None:
                 if not (acts.type == "int" and acts.num_bits == 8 and acts.dynamic is True
                         and acts.strategy == "token" and acts.symmetric):
-                    raise QuantError(f"{where[: -len('.weights')]}.input_activations: dynamic symmetric per-token "
+                    raise QuantError(f"{where}.input_activations: dynamic symmetric per-token "
                                      f"int8 is supported, got {acts.model_dump()}")
                 activations = "int8-token"
         elif fmt == "float-quantized":
             if kind != "float" or bits != 8 or strategy == "group":
-                raise QuantError(f"{where}: FP8 (float, 8 bits) per tensor or per channel is supported")
+                raise QuantError(f"{weights}: FP8 (float, 8 bits) per tensor, per channel or per block is supported")
             if block is None and acts is not None and acts.type == "float" and acts.num_bits == 8 and (
                 acts.dynamic is True and acts.strategy == "token"
             ):

@@ -427,6 +427,20 @@ inline void fp4_high_bytes(const Fp4Pair* p, __m128i table, __m128i& first, __m1
 
 #ifdef BATCHGEN_GEMM_AVX512
 
+// The quantized blocks' epilogue: every row's C vectors through scaled_store (scale and bias per
+// column, either null), the last vector's ``lastn`` lanes
+template <int R, int C, typename O>
+inline void store_scaled(const __m512 (&acc)[R][C], const float* scale, const float* bias, O* y, int64_t ldy,
+                         int lastn) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      alignas(64) float row[16];
+      _mm512_store_ps(row, acc[r][c]);
+      scaled_store(row, scale ? scale + c * 16 : nullptr, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
+                   c == C - 1 ? lastn : 16);
+    }
+}
+
 // R rows x C column vectors of y = (x @ W^T) * scale + bias with W one byte a weight (vectors
 // vstride bytes apart): FP8 (W uint8_t) or int8 (W int8_t), a scale per column in the epilogue;
 // or block-wise FP8 (W Fp8Block), the scales per column and group of ``group`` inputs (each
@@ -456,13 +470,7 @@ inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xb, acc[r][c]);
       }
     }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      alignas(64) float row[16];
-      _mm512_store_ps(row, acc[r][c]);
-      scaled_store(row, grouped ? nullptr : scale + c * 16, bias ? bias + c * 16 : nullptr, y + r * ldy + c * 16,
-                   c == C - 1 ? lastn : 16);
-    }
+  store_scaled<R, C>(acc, grouped ? nullptr : scale, bias, y, ldy, lastn);
 }
 
 // R rows x C column vectors of y = x @ W^T + bias with W MXFP4 (vectors vstride pairs apart, their
@@ -490,15 +498,25 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[half][c], xb, acc[r][c]);
       }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      alignas(64) float row[16];
-      _mm512_store_ps(row, acc[r][c]);
-      scaled_store(row, nullptr, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
-    }
+  store_scaled<R, C>(acc, nullptr, nullptr, y, ldy, lastn);
 }
 
 #else
+
+// store_scaled on AVX2: a row's two 8-float halves per vector through memory
+template <int R, int C, typename O>
+inline void store_scaled(const __m256 (&acc)[R][C][2], const float* scale, const float* bias, O* y, int64_t ldy,
+                         int lastn) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[C * 16];
+    store_row<C>(acc[r], row);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      scaled_store(row + c * 16, scale ? scale + c * 16 : nullptr, bias ? bias + c * 16 : nullptr,
+                   y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
+  }
+}
 
 // block_bytes on AVX2: each 16-column vector's bytes widen to two 8-float registers
 template <int R, int C, typename T, typename W, typename O, bool Pf>
@@ -532,15 +550,7 @@ inline void block_bytes(const T* x, int64_t ldx, const W* wp, int64_t k, int64_t
         }
       }
     }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float row[C * 16];
-    store_row<C>(acc[r], row);
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      scaled_store(row + c * 16, grouped ? nullptr : scale + c * 16, bias ? bias + c * 16 : nullptr,
-                   y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
-  }
+  store_scaled<R, C>(acc, grouped ? nullptr : scale, bias, y, ldy, lastn);
 }
 
 // block_mxfp4 on AVX2: per K pair, one pass over the columns with the first K's broadcasts, then
@@ -568,13 +578,7 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
         }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float row[C * 16];
-    store_row<C>(acc[r], row);
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) scaled_store(row + c * 16, nullptr, nullptr, y + r * ldy + c * 16, c == C - 1 ? lastn : 16);
-  }
+  store_scaled<R, C>(acc, nullptr, nullptr, y, ldy, lastn);
 }
 
 #endif
@@ -926,6 +930,19 @@ int quant_gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const void* wp, in
 #endif
 }
 
+// W [n, k] (row-major) into [ceil(n/16)][k][16]: each vector of 16 columns K-major, columns past n zero
+template <typename E>
+[[maybe_unused]] void pack_columns(const E* w, int64_t n, int64_t k, E* out) {
+  const int64_t vectors = (n + 15) / 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < vectors; ++v)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t col = v * 16 + j;
+        out[(v * k + i) * 16 + j] = col < n ? w[col * k + i] : E{};
+      }
+}
+
 }  // namespace
 
 extern "C" {
@@ -945,14 +962,7 @@ int gemm_amx(int on) {
 // W [n, k] (row-major) into the packed layout: float32 [ceil(n/16)][k][16].
 int gemm_pack_f32(const float* w, int64_t n, int64_t k, float* out) {
 #ifdef BATCHGEN_GEMM_F32
-  const int64_t vectors = (n + 15) / 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t v = 0; v < vectors; ++v)
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t col = v * 16 + j;
-        out[(v * k + i) * 16 + j] = col < n ? w[col * k + i] : 0.0f;
-      }
+  pack_columns(w, n, k, out);
   return 0;
 #else
   (void)w, (void)n, (void)k, (void)out;
@@ -1046,14 +1056,7 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
 // FP8 (E4M3) or int8 W [n, k] bytes into [ceil(n/16)][k][16] (columns past n zero).
 int gemm_pack_bytes(const uint8_t* w, int64_t n, int64_t k, uint8_t* out) {
 #ifdef BATCHGEN_GEMM_QUANT
-  const int64_t vectors = (n + 15) / 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t v = 0; v < vectors; ++v)
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t j = 0; j < 16; ++j) {
-        const int64_t col = v * 16 + j;
-        out[(v * k + i) * 16 + j] = col < n ? w[col * k + i] : 0;
-      }
+  pack_columns(w, n, k, out);
   return 0;
 #else
   (void)w, (void)n, (void)k, (void)out;

@@ -147,6 +147,15 @@ def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def _pack_bytes(weight: torch.Tensor) -> torch.Tensor | None:
+    """A weight of one byte a value [n, k] in the kernel's layout, [ceil(n/16)][k][16] (its dtype)."""
+    n, k = weight.shape
+    packed = torch.empty((n + 15) // 16 * k * 16, dtype=weight.dtype)
+    if load().gemm_pack_bytes(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.view(torch.uint8).data_ptr()):
+        return None
+    return packed
+
+
 class PackedBytes(_Widened):
     """A weight of one byte a value, FP8 (E4M3) or int8, [n, k] with a float32 scale per output
     column (or one for all): ``x @ (weight * scale).T + bias``."""
@@ -165,8 +174,8 @@ class PackedBytes(_Widened):
         n, k = weight.shape
         if n == 0 or k == 0 or scale.numel() not in (1, n):
             return None
-        packed = torch.empty((n + 15) // 16 * k * 16, dtype=weight.dtype)
-        if load().gemm_pack_bytes(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+        packed = _pack_bytes(weight)
+        if packed is None:
             return None
         # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
         columns = _padded(scale.float() * (256.0 if kind == "fp8" else 1.0), n)
@@ -188,10 +197,10 @@ class PackedFP8Blocks(_Widened):
         n, k = weight.shape
         if n == 0 or group <= 0 or k % group or scale.shape != (n, k // group):
             return None
-        vectors = (n + 15) // 16
-        packed = torch.empty(vectors * k * 16, dtype=torch.uint8)
-        if load().gemm_pack_bytes(weight.contiguous().view(torch.uint8).data_ptr(), n, k, packed.data_ptr()):
+        packed = _pack_bytes(weight)
+        if packed is None:
             return None
+        vectors = (n + 15) // 16
         # [n, groups] -> [vectors][groups][16], zero past n; times 2^8, the widening's factor (PackedBytes)
         scales = torch.zeros(vectors * 16, k // group, dtype=torch.float32)
         scales[:n] = scale.float() * 256.0

@@ -468,6 +468,7 @@ def test_bad_quantized_checkpoints_name_the_tensor_or_field(llama_src, tmp_path)
             r"q_proj.weight_scale_inv: shape \(1, 2\), expected \(2, 2\) for blocks of 32 x 32")
     refused(_edit(tmp_path / "fp8", tmp_path / "n", config=lambda q: q.update(activation_scheme="static")),
             "activation_scheme='static'")
+    refused(_edit(tmp_path / "fp8", tmp_path / "o", config=lambda q: q.update(expert_dtype="fp4")), "expert_dtype='fp4'")
     # GPTQModel's dynamic rules
     refused(_edit(tmp_path / "gptq", tmp_path / "k", config=lambda q: q.update(dynamic={r".*mlp.*": {"bits": 2}})),
             r"quantization_config.dynamic\['.\*mlp.\*'\].bits=2")
