@@ -69,8 +69,13 @@ class _Weights:
     def optional(self, name: str) -> torch.Tensor | None:
         return self.take(name) if name in self.w else None
 
-    def take(self, name: str) -> torch.Tensor:
-        return self.raw(name).to(device=self.device, dtype=self.dtype).contiguous()
+    def take(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor cast (to the model's dtype by default), as a copy of its own: one left a view
+        of the file would keep the whole file's mapping (and every page of it read so far) alive
+        as long as it lives."""
+        raw = self.raw(name)
+        t = raw.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        return t.clone() if t.data_ptr() == raw.data_ptr() else t
 
 
 class DecoderModel:
@@ -211,7 +216,7 @@ class DecoderModel:
                 qkv = self._projection(
                     w, [a + f"{x}_proj" for x in "qkv"], [w.optional(a + f"{x}_proj.bias") for x in "qkv"]
                 )
-            sinks = w.raw(a + "sinks").float().to(self.device).contiguous() if fam.sinks else None
+            sinks = w.take(a + "sinks", torch.float32) if fam.sinks else None
             self.layers.append(
                 LayerWeights(
                     norms=tuple(None if n is None else w.take(p + n + ".weight") for n in fam.norms),
@@ -316,8 +321,8 @@ class DecoderModel:
             dense = w.raw(name).float().transpose(1, 2)  # [E, out, in]
             return [self._linear(cast(rows(dense[e])), cast(rows(bias[e]))) for e in range(c.num_local_experts)]
 
-        gate_up = projections(mlp + "experts.gate_up_proj", w.raw(mlp + "experts.gate_up_proj_bias").float(), True)
-        down = projections(mlp + "experts.down_proj", w.raw(mlp + "experts.down_proj_bias").float(), False)
+        gate_up = projections(mlp + "experts.gate_up_proj", w.take(mlp + "experts.gate_up_proj_bias", torch.float32), True)
+        down = projections(mlp + "experts.down_proj", w.take(mlp + "experts.down_proj_bias", torch.float32), False)
         experts = [Expert(g, d) for g, d in zip(gate_up, down, strict=True)]
         router = self._linear(w.take(mlp + "router.weight"), w.take(mlp + "router.bias"))
         return MoE(

@@ -103,11 +103,14 @@ def _onednn_faster(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """``y = x @ weight.T + bias`` with ``weight`` [out, in]; ``weight`` stays readable (tied
-    embeddings read it too). ``backends``: what to try in order (``backends_for``); ``strict``:
-    raise if the first one cannot run this layer. ``backend`` says which one it runs on.
-    ``gated``: the weight is [gate; up] of a SwiGLU MLP; the kernel then also gives
-    ``silu(gate) * up`` in the GEMM's pass (``silu_mul``)."""
+    """``y = x @ weight.T + bias`` with ``weight`` [out, in]. ``backends``: what to try in order
+    (``backends_for``); ``strict``: raise if the first one cannot run this layer. ``backend`` says
+    which one it runs on. ``gated``: the weight is [gate; up] of a SwiGLU MLP; the kernel then also
+    gives ``silu(gate) * up`` in the GEMM's pass (``silu_mul``).
+
+    A layer on a packed backend holds only its packed copy: ``weight`` is then None and the
+    caller's tensor is freed once nothing else holds it (a tied embedding still does). The one
+    exception keeps both: a bfloat16 layer on AMX tiles, whose prefill chunks run on ``F.linear``."""
 
     def __init__(
         self,
@@ -117,8 +120,9 @@ class Linear:
         strict: bool = False,
         gated: bool = False,
     ) -> None:
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.bias = bias
+        self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.kernel: PackedWeight | None = None  # the compiled kernel's
         self.backend = "torch"
@@ -138,21 +142,23 @@ class Linear:
                 )
         # calls of _TORCH_FROM_ROWS rows or more go to F.linear where the kernel runs on AMX tiles
         self._large_to_torch = self.kernel is not None and _on_tiles(weight)
+        if self.backend != "torch" and not self._large_to_torch:
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        if self.kernel is not None:
+        large = self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]
+        if self.kernel is not None and not large:
             out = self.kernel(x.reshape(-1, x.shape[-1]))
             return out.view(*x.shape[:-1], out.shape[-1])
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])
-        m = x.shape[0]
-        pieces = [self._gemm(x[i : i + _MAX_ROWS]) for i in range(0, m, _MAX_ROWS)]
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return out.view(*lead, out.shape[-1])
+        if self.packed is not None:
+            lead = x.shape[:-1]
+            x = x.reshape(-1, x.shape[-1])
+            m = x.shape[0]
+            pieces = [self._gemm(x[i : i + _MAX_ROWS]) for i in range(0, m, _MAX_ROWS)]
+            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            return out.view(*lead, out.shape[-1])
+        assert self.weight is not None  # kept on the torch backend and for AMX tiles' large calls
+        return F.linear(x, self.weight, self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of a gated layer's output in one pass where the kernel runs it

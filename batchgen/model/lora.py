@@ -88,7 +88,7 @@ def model_shapes(model: DecoderModel) -> dict[tuple[int, str], ModuleShape]:
         shapes[(i, "o")] = ModuleShape(h * d, (hidden,))
         expert = getattr(lw.mlp, "func", None)  # a dense MLP is partial(Expert, unit=...)
         if expert is not None and hasattr(expert, "gate_up"):
-            inter = expert.gate_up.weight.shape[0] // 2
+            inter = expert.gate_up.out_features // 2
             shapes[(i, "gate_up")] = ModuleShape(hidden, (inter, inter))
             shapes[(i, "down")] = ModuleShape(inter, (hidden,))
     return shapes

@@ -23,7 +23,7 @@ from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.model import quant
 from batchgen.tiny import make_model
 from batchgen.tiny_quant import quantize_model
-from batchgen_kernels.cpu_gemm import PackedBytes
+from batchgen_kernels.cpu_gemm import PackedBytes, amx
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [3, 4, 40, 50], [7, 100, 200, 17]]
@@ -382,9 +382,10 @@ def test_a_wrong_nibble_order_or_zero_offset_fails_the_comparison(llama_src, tmp
     assert failures(path, oracle, tol, beams=False) != []
 
 
-def test_resident_memory_is_a_fraction_of_the_bf16_models(tmp_path):
+def test_resident_memory_of_packed_and_quantized_models(tmp_path):
     """Measured in fresh processes: the resident growth of loading the model (after warming the
-    same code on a small one), against the bf16 model's on ``F.linear`` (its weights alone)."""
+    same code on a small one), against the same model's on ``F.linear`` (its weights alone): one
+    copy on the packed backends, a fraction of bf16's when quantized."""
     shape = dict(hidden_size=512, intermediate_size=2048, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=512)
     big = make_model(tmp_path / "big", "llama", seed=0, **shape)
     small = make_model(tmp_path / "small", "llama", seed=1, **{**shape, "hidden_size": 128, "intermediate_size": 256,
@@ -397,19 +398,26 @@ def test_resident_memory_is_a_fraction_of_the_bf16_models(tmp_path):
         "    gc.collect(); ctypes.CDLL('libc.so.6').malloc_trim(0)\n"
         "    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
         "def load(p):\n"
-        "    return DecoderModel(load_config(p), p, torch.device('cpu'), torch.bfloat16, 256, linear_backend=sys.argv[3])\n"
+        "    dtype = getattr(torch, sys.argv[4])\n"
+        "    return DecoderModel(load_config(p), p, torch.device('cpu'), dtype, 256, linear_backend=sys.argv[3])\n"
         "load(sys.argv[1]); before = rss(); m = load(sys.argv[2]); print(rss() - before)\n"
     )
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'kernels'}", "PATH": "/usr/bin:/bin"}
 
-    def grown(warm, path, backend="auto") -> int:
-        res = subprocess.run([sys.executable, "-c", script, str(warm), str(path), backend], capture_output=True,
+    def grown(warm, path, backend="auto", dtype="bfloat16") -> int:
+        res = subprocess.run([sys.executable, "-c", script, str(warm), str(path), backend, dtype], capture_output=True,
                              text=True, env=env, timeout=600)
         assert res.returncode == 0, res.stderr[-2000:]
         return int(res.stdout.split()[-1])
 
     bf16 = grown(small, big, "torch")
     assert bf16 > 25e6  # about 15M parameters in bf16
+    # a layer on a packed backend keeps its packed copy alone (bf16 on AMX tiles keeps both)
+    f32 = grown(small, big, "torch", "float32")
+    for backend in ("auto", "onednn"):
+        assert grown(small, big, backend, "float32") / f32 <= 1.15, (backend, "float32")
+    if not amx():
+        assert grown(small, big) / bf16 <= 1.15, ("auto", "bfloat16")
     # (GPTQ and AWQ int4 end in the same packed int4 layer as compressed-tensors int4)
     for fmt, opts, limit in (("ct-int4", dict(group=128), 0.35), ("ct-int8", dict(group=-1), 0.6), ("ct-w8a8", {}, 0.6),
                              ("fp8", dict(block=(128, 128)), 0.6)):
