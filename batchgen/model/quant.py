@@ -484,8 +484,8 @@ class QuantFormat:
 
 
 class _QuantLayer(ABC):
-    """What a quantized layer answers like ``linear.Linear``: its path as ``backend``, a meta
-    ``weight`` for shape queries, no fused SwiGLU, no compiled-kernel packing."""
+    """What a quantized layer answers like ``linear.Linear``: its path as ``backend``, its shape as
+    ``out_features`` / ``in_features``, no fused SwiGLU, no compiled-kernel packing."""
 
     path: str
     out_features: int
@@ -496,11 +496,6 @@ class _QuantLayer(ABC):
     @property
     def backend(self) -> str:
         return self.path
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """A weight-shaped tensor on the meta device (nothing is dequantized)."""
-        return torch.zeros(self.out_features, self.in_features, dtype=self.dtype, device="meta")
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -1,6 +1,7 @@
 """LoRA adapters equal transformers + peft on the same weights: greedy tokens, beam sequences and
 scores, sampled log-probabilities; in mixed batches with evictions and preemption; with the prefix
-cache kept apart per adapter; on Llama, Qwen3, Gemma 2 and Phi-3 (fused q/k/v and gate/up)."""
+cache kept apart per adapter; on Llama, Qwen3, Gemma 2 and Phi-3 (fused q/k/v and gate/up); over
+quantized checkpoints."""
 
 from __future__ import annotations
 
@@ -100,6 +101,36 @@ def test_each_adapter_equals_peft_greedy_beam_and_sampled_logprobs(llama_dir, ad
                 want = oracle_logprob(llama_dir, path, prompt, c.token_ids)
                 assert abs(c.cumulative_logprob - want) < 2e-3, (name, c.cumulative_logprob, want)
     assert llm.stats()["lora_disk_loads"] == 3
+
+
+@pytest.mark.parametrize(
+    "fmt,opts,tol", [("gptq", dict(bits=4, group=32), 5e-3), ("ct-int8", dict(group=-1), 2e-3)], ids=["gptq-int4", "ct-int8"]
+)
+def test_adapters_over_a_quantized_model_equal_peft_over_its_dequantized_weights(llama_dir, adapters, tmp_path, fmt, opts, tol):
+    """Adapters over a quantized checkpoint (as vLLM serves them over GPTQ / AWQ / compressed-tensors
+    models): the projections stay quantized, each row adds its adapter's float delta. The oracle is
+    peft over transformers on the dequantized weights; rows of two adapters and the base share a batch."""
+    from batchgen.tiny_quant import quantize_model
+
+    quantized, oracle = tmp_path / "q", str(tmp_path / "oracle")
+    quantize_model(llama_dir, quantized, fmt, oracle=oracle, **opts)
+    llm = LLM(str(quantized), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    st = llm.stats()
+    assert st["quantization"] != "none" and "reference" not in st["quantized_paths"], st["quantized_paths"]
+    reqs = requests(adapters)
+    rows = [reqs["r4"], reqs["r16"], None]
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=rows)
+    for prompt, req, out in zip(PROMPTS, rows, outs):
+        adapter = None if req is None else req.lora_path
+        assert out.outputs[0].token_ids == oracle_greedy(oracle, adapter, prompt), req
+    sampled = llm.generate(
+        PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True), lora_request=rows
+    )
+    for prompt, req, out in zip(PROMPTS, rows, sampled):
+        adapter = None if req is None else req.lora_path
+        for c in out.outputs:
+            want = oracle_logprob(oracle, adapter, prompt, c.token_ids)
+            assert abs(c.cumulative_logprob - want) < tol, (req, c.cumulative_logprob, want)
 
 
 @pytest.mark.parametrize("pool,seqs", [(None, 2), (7, 4)], ids=["roomy", "tiny-pool-preempts"])
