@@ -199,7 +199,7 @@ class DecoderModel:
     def _load(self, model_dir: str) -> None:
         w = _Weights(model_dir, self.device, self.dtype)
         fam, c = self.family, self.config
-        self.embed = w.take("embed_tokens.weight")
+        self.embed: torch.Tensor | None = w.take("embed_tokens.weight")
         self.embed_scale = (
             torch.tensor(self.hidden_size**0.5, dtype=self.dtype, device=self.device) if fam.embed_scale else None
         )
@@ -234,6 +234,8 @@ class DecoderModel:
             self.lm_head = self._projection(w, ["lm_head"])
         elif getattr(c, "tie_word_embeddings", False):
             self.lm_head = self._linear(self.embed)
+            if self.lm_head.weight is None and self.lm_head.kernel is not None:
+                self.embed = None  # looked up in the LM head's packed copy (``_embed``)
         else:
             raise ModelLoadError(f"checkpoint in {model_dir!r} is missing tensor 'lm_head.weight'")
 
@@ -351,6 +353,12 @@ class DecoderModel:
         return sum(block.seconds for block in self._moe_blocks)
 
     # -- forward -------------------------------------------------------------------------------
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(input_ids, self.embed)
+        assert self.lm_head.kernel is not None
+        return self.lm_head.kernel.rows(input_ids)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else rms_norm(x, weight, self.eps, self.family.norm_offset)
 
@@ -375,7 +383,7 @@ class DecoderModel:
         """Hidden states after the final norm for every token of the flattened batch."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         full_qk = self.family.qk_norm == "full"
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = {id(r): r(positions, rope_lengths) for r in self._rotaries.values()}

@@ -56,6 +56,18 @@ class PackedWeight:
             raise KernelArgumentError("gemm: silu_mul needs a weight packed with gated=True")
         return self._run(self._gemm_gated, x, self.n // 2)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, [len(ids), k], gathered from the packed layout: an embedding
+        lookup on a tied LM head's packed copy, so that the model keeps no other."""
+        if self.gated:
+            raise KernelArgumentError("gemm: rows of a weight packed with gated=True")
+        vector, lane = ids // 16, ids % 16
+        if self.dtype == torch.float32:  # [n / 16][k][16]
+            return self.packed.view(-1, self.k, 16)[vector, :, lane]
+        # bf16: [n / 16][k / 2][16] 32-bit pairs, the even input in the low half
+        pairs = self.packed.view(torch.bfloat16).view(-1, self.k // 2, 16, 2)
+        return pairs[vector, :, lane].reshape(-1, self.k)
+
     def _run(self, gemm, x: torch.Tensor, width: int, widened: bool = False) -> torch.Tensor:
         expect("gemm", "x", x, self.dtype, (None, self.k))
         if x.stride(1) != 1:

@@ -540,3 +540,39 @@ def test_mxfp4_kernel_refuses_what_it_cannot_take():
     packed = cpu_gemm.PackedMXFP4.of(blocks, exponents.fill_(127), None, torch.bfloat16)
     with pytest.raises(cpu_gemm.KernelArgumentError, match=r"gemm_mxfp4: x must have shape \[\*, 64\]"):
         packed(torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_are_the_weights_rows(dtype):
+    """A tied LM head's packed copy serves the embedding lookup: every row back exactly, in any
+    order and repeated, including rows of the last, partial 16-column vector."""
+    if cpu_gemm.pack(torch.zeros(16, 8, dtype=dtype)) is None:
+        pytest.skip(f"the kernel does not run {dtype} here")
+    w = torch.randn(37, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    packed = cpu_gemm.pack(w)
+    assert packed is not None
+    ids = torch.tensor([36, 0, 17, 17, 35, 1, 15, 16, 32])
+    assert torch.equal(packed.rows(ids), w[ids])
+    assert packed.rows(torch.arange(37)).dtype == dtype
+
+
+@pytest.mark.parametrize("backend", ["auto", "onednn", "torch"])
+def test_tied_embeddings_are_held_once(tmp_path, backend):
+    """A tied model on the kernel keeps the LM head's packed copy alone and looks its tokens up
+    there; on the other backends the embedding stays. Greedy tokens equal the torch backend's."""
+    from batchgen.tiny import make_model
+
+    path = str(make_model(tmp_path / "tied", "llama", seed=6, tie_word_embeddings=True, vocab_size=515))
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch is built without oneDNN")
+    llm = LLM(path, dtype="float32", linear_backend=backend)
+    model = llm.engine.runner.model
+    on_kernel = model.lm_head.kernel is not None
+    assert (model.embed is None) == on_kernel
+    if backend == "auto" and cpu.available():
+        assert on_kernel
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 514, 7], [3, 4, 40, 50, 513, 512]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", linear_backend="torch").generate(prompts, greedy)]
+    assert got == want
