@@ -569,7 +569,7 @@ def test_tied_embeddings_are_held_once(tmp_path, backend):
     model = llm.engine.runner.model
     on_kernel = model.lm_head.kernel is not None
     assert (model.embed is None) == on_kernel
-    if backend == "auto" and cpu.available():
+    if backend == "auto" and cpu_gemm.pack(torch.zeros(16, 8)) is not None:  # the kernel runs float32 here
         assert on_kernel
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 514, 7], [3, 4, 40, 50, 513, 512]]
