@@ -109,8 +109,9 @@ class Linear:
     gives ``silu(gate) * up`` in the GEMM's pass (``silu_mul``).
 
     A layer on a packed backend holds only its packed copy: ``weight`` is then None and the
-    caller's tensor is freed once nothing else holds it (a tied embedding still does). The one
-    exception keeps both: a bfloat16 layer on AMX tiles, whose prefill chunks run on ``F.linear``."""
+    caller's tensor is freed once nothing else holds it (a tied embedding does where the LM head is
+    on oneDNN; on the kernel the model looks tokens up in the packed copy). The one exception keeps
+    both: a bfloat16 layer on AMX tiles, whose prefill chunks run on ``F.linear``."""
 
     def __init__(
         self,
