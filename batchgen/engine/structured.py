@@ -18,11 +18,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -126,14 +127,23 @@ class StructuredOutputs:
 
     def apply(self, scores: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
         """Set the tokens ``mask`` does not allow to -inf in ``scores``' ``rows`` (in place; ``mask``
-        has a row for every row of ``scores``): xgrammar's CPU kernel, or on a GPU batchgen's Triton
-        kernel (``batchgen_kernels.token_mask``) on the mask copied to the device."""
+        has a row for every row of ``scores``). On the CPU, float32 scores take the compiled kernel
+        (``cpu_sampling.token_mask``: it skips the words of all-allowed tokens and selects 16 lanes
+        at a time, where xgrammar's kernel writes one token at a time) and anything else xgrammar's
+        kernel; on a GPU batchgen's Triton kernel (``batchgen_kernels.token_mask``) takes the mask
+        copied to the device."""
         if scores.is_cuda:
             from batchgen_kernels.token_mask import token_mask  # noqa: PLC0415 - imports triton
 
             token_mask(scores, mask.to(scores.device, non_blocking=True), rows)
             return
-        self._xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=self.vocab_size, indices=rows)
+        t0 = time.perf_counter()
+        kernel = _cpu_token_mask() if scores.dtype == torch.float32 and scores.stride(-1) == 1 else None
+        if kernel is not None:
+            kernel(scores, mask, rows, self.vocab_size)
+        else:
+            self._xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=self.vocab_size, indices=rows)
+        self.mask_s += time.perf_counter() - t0
 
     @staticmethod
     def no_stats() -> dict[str, float | int]:
@@ -146,6 +156,21 @@ class StructuredOutputs:
             "grammar_compile_s": self.compile_s,
             "grammar_mask_s": self.mask_s,
         }
+
+
+@functools.cache  # asked at every step
+def _cpu_token_mask() -> Callable[[torch.Tensor, torch.Tensor, list[int], int], None] | None:
+    """The compiled CPU mask kernel where the kernels build and ``BATCHGEN_LIBRARY_KERNELS`` does
+    not name ``token_mask``; else None (xgrammar's kernel)."""
+    try:
+        from batchgen_kernels import cpu, cpu_sampling  # noqa: PLC0415
+
+        if "token_mask" in cpu.library_kernels():
+            return None
+        cpu.load()
+    except (ImportError, RuntimeError):
+        return None
+    return cpu_sampling.token_mask
 
 
 def allowed(mask: torch.Tensor, row: int, token: int) -> bool:

@@ -83,6 +83,8 @@ SIGNATURES = {
     "sample_rows": (_INT, [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]),
     # adjusted, raw, rows, vocab, token, raw_lse, threads
     "greedy_pick": (None, [_P, _P, _I, _I, _P, _P, _INT]),
+    # logits, row stride, vocab, bitmask, words, row_index, n, threads
+    "token_mask": (None, [_P, _I, _I, _P, _I, _P, _I, _INT]),
     # x, w, rows, dim, eps, out, threads
     "rms_norm_f32": (None, [_P, _P, _I, _I, _F, _P, _INT]),
     "rms_norm_bf16": (None, [_P, _P, _I, _I, _F, _P, _INT]),
@@ -148,6 +150,7 @@ LIBRARY_ALTERNATIVES = {
     "block_ops": "index_copy_ / zero_ on the cache's blocks",
     "sampling": "torch's softmax, sort and multinomial",
     "beam_topk": "log_softmax, then torch.topk",
+    "token_mask": "xgrammar's apply_token_bitmask_inplace (structured outputs' mask)",
     "int8_gemm": "torch._weight_int8pack_mm, W8A8's activations rounded by torch (int8 and W8A8 checkpoints)",
 }
 

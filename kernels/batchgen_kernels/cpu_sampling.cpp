@@ -138,9 +138,50 @@ int64_t draw_row(const float* p, int64_t vocab, int64_t block, const double* cdf
   return idx < vocab - 1 ? idx : vocab - 1;
 }
 
+// One row's grammar mask: tokens [0, vocab) whose bit (bit j % 32 of word j / 32) is 0 become -inf.
+// A word or byte with every bit set (allowed tokens: most of a row inside a JSON string) is skipped;
+// otherwise a byte's bits select 8 lanes at once (8-lane vectors: the 16-lane type's lane masks
+// compile to scalar code on AVX2).
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+void token_mask_row(float* x, int64_t vocab, const int32_t* bits) {
+  const i32x8 lane = {1, 2, 4, 8, 16, 32, 64, 128};
+  const i32x8 ninf = i32x8{} + static_cast<int32_t>(0xff800000u);  // -inf's bits
+  const int64_t full = vocab / 32;
+  for (int64_t w = 0; w < full; ++w) {
+    const uint32_t word = static_cast<uint32_t>(bits[w]);
+    if (word == 0xffffffffu) continue;
+    for (int q = 0; q < 4; ++q) {
+      const int32_t byte = static_cast<int32_t>((word >> (8 * q)) & 0xffu);
+      if (byte == 0xff) continue;
+      float* p = x + w * 32 + 8 * q;
+      i32x8 v;
+      std::memcpy(&v, p, sizeof v);
+      const i32x8 keep = ((i32x8{} + byte) & lane) != 0;
+      v = (v & keep) | (ninf & ~keep);
+      std::memcpy(p, &v, sizeof v);
+    }
+  }
+  for (int64_t j = full * 32; j < vocab; ++j)
+    if (!((static_cast<uint32_t>(bits[j / 32]) >> (j % 32)) & 1u)) x[j] = -INFINITY;
+}
+
 }  // namespace
 
 extern "C" {
+
+// Structured outputs' mask: for each of ``n`` rows (``row_index`` into logits [*, row_stride],
+// float32), the tokens below ``vocab`` that ``bitmask`` ([*, words] int32, xgrammar's layout: bit
+// j % 32 of word j / 32 set where token j is allowed; the same row numbers) does not allow become
+// -inf, in place.
+void token_mask(float* logits, int64_t row_stride, int64_t vocab, const int32_t* bitmask, int64_t words,
+                const int64_t* row_index, int64_t n, int threads) {
+  BG_EXPECT(logits && bitmask && row_index && vocab > 0 && row_stride >= vocab && words * 32 >= vocab && n >= 0 &&
+            threads > 0);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i)
+    token_mask_row(logits + row_index[i] * row_stride, vocab, bitmask + row_index[i] * words);
+}
 
 // adjusted, raw, probs: [rows, vocab]; inv_temp: [rows]; block_sums: [rows, ceil(vocab / block)];
 // raw_lse: [rows]. ``adjusted`` are the logits the draw uses (blocked tokens, penalties), ``raw``

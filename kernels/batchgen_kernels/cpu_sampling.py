@@ -139,3 +139,31 @@ def sample_rows(
     if rc:
         raise ValueError(f"sample_rows: block {block} is not a multiple of 16")
     return token, logprob, rejected.bool()
+
+
+def token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """Structured outputs' mask, in place: in each of ``rows`` of float32 ``logits`` [*, >= vocab]
+    (rows may be strided, each row contiguous), the tokens below ``vocab`` whose bit in int32
+    ``bitmask`` [same rows, >= ceil(vocab / 32)] (xgrammar's layout) is 0 become -inf."""
+    expect("token_mask", "logits", logits, torch.float32, (None, None))
+    expect("token_mask", "bitmask", bitmask, torch.int32, (logits.shape[0], None), contiguous=True)
+    if logits.stride(1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
+        raise KernelArgumentError(f"token_mask: logits' rows must be contiguous (strides {logits.stride()})")
+    if not 0 < vocab <= min(logits.shape[1], bitmask.shape[1] * 32):
+        raise KernelArgumentError(
+            f"token_mask: vocab {vocab} must be positive and within logits' {logits.shape[1]} columns and "
+            f"bitmask's {bitmask.shape[1] * 32} bits"
+        )
+    index = torch.tensor(rows, dtype=torch.int64)
+    if len(rows) and not 0 <= int(index.min()) <= int(index.max()) < logits.shape[0]:
+        raise KernelArgumentError(f"token_mask: rows must index logits' {logits.shape[0]} rows")
+    load().token_mask(
+        logits.data_ptr(),
+        logits.stride(0),
+        vocab,
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        index.data_ptr(),
+        len(rows),
+        torch.get_num_threads(),
+    )

@@ -52,3 +52,12 @@ def copy_blocks_ref(kv_cache, src, dst):
     """kv_cache [..., NB, BS, D] with the block axis third from the end."""
     for s, d_ in zip(src.tolist(), dst.tolist(), strict=True):
         kv_cache[..., d_, :, :] = kv_cache[..., s, :, :].clone()
+
+
+def token_mask_ref(scores: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    """The reference: unpack each row's bits, -inf where a token's bit is 0."""
+    vocab = scores.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    for r in rows:
+        bits = ((mask[r][:, None] >> shifts) & 1).flatten()[:vocab]
+        scores[r].masked_fill_(bits == 0, float("-inf"))

@@ -2,8 +2,8 @@
 
 The mask is xgrammar's int32 bitmask, one row per row of the scores and one bit per token (bit
 ``t % 32`` of word ``t // 32``); only ``rows`` are touched. The engine builds the mask on the CPU
-(``batchgen/engine/structured.py``) and applies it here on a GPU; ``token_mask_ref`` is the torch
-reference the kernel is tested against, under Triton's interpreter on a CPU machine.
+(``batchgen/engine/structured.py``) and applies it here on a GPU; ``reference.token_mask_ref`` is the
+torch reference the kernel is tested against, under Triton's interpreter on a CPU machine.
 """
 
 from __future__ import annotations
@@ -39,11 +39,3 @@ def token_mask(scores: torch.Tensor, mask: torch.Tensor, rows: list[int], block:
     grid = (len(rows), triton.cdiv(scores.shape[1], block))
     _token_mask_kernel[grid](scores, mask, index, scores.shape[1], scores.stride(0), mask.stride(0), BLOCK=block)
 
-
-def token_mask_ref(scores: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
-    """The reference: unpack each row's bits, -inf where a token's bit is 0."""
-    vocab = scores.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    for r in rows:
-        bits = ((mask[r][:, None] >> shifts) & 1).flatten()[:vocab]
-        scores[r].masked_fill_(bits == 0, float("-inf"))
