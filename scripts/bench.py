@@ -15,7 +15,8 @@ Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16
 
 Workload J runs S's requests with every completion constrained to a 5-field JSON schema (structured
 outputs, ending at the grammar's end); J-FREE the same requests unconstrained, also ending at EOS;
-transformers runs J with the same xgrammar grammar as a logits processor.
+transformers runs J with the same xgrammar grammar as a logits processor. Both sides build xgrammar's
+view of the tokenizer before the timing (batchgen on another grammar, so J's compile is timed).
 
 Workload A runs S's requests with the rows spread round-robin over four rank-16 LoRA adapters on all
 seven projections (``batchgen.tiny.make_adapter``, built beside the model), in one call: against

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -126,7 +127,7 @@ def test_a_debug_build_aborts_naming_the_failed_precondition():
 
 RUN = """
 import json, sys
-from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen_kernels import cpu_beam, cpu_ops, cpu_sampling
 calls = {}
 def counted(module, name):
@@ -136,15 +137,19 @@ def counted(module, name):
         return fn(*args, **kwargs)
     setattr(module, name, wrapper)
 for module, names in ((cpu_ops, ["rms_norm", "add_rms_norm", "rotary", "kv_write", "zero_blocks", "copy_blocks"]),
-                      (cpu_beam, ["beam_topk"]), (cpu_sampling, ["sample_rows", "tempered_softmax", "greedy_pick"])):
+                      (cpu_beam, ["beam_topk"]), (cpu_sampling, ["sample_rows", "tempered_softmax", "greedy_pick", "token_mask"])):
     for name in names:
         counted(module, name)
 llm = LLM(sys.argv[1], device="cpu", num_kv_blocks=64, block_size=8, seed=0)
 prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 2 + i, 7] for i in range(3)]
 greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 beams = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=6))
+pattern = StructuredOutputsParams(regex=r"[a-c]{2,5}\\.(x|yz)")
+constrained = llm.generate(prompts, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12,
+                                                   structured_outputs=pattern), use_tqdm=False)
 print(json.dumps({
     "greedy": [o.outputs[0].token_ids for o in greedy],
+    "constrained": [[c.text for c in o.outputs] for o in constrained],
     "beams": [[s.tokens for s in b.sequences] for b in beams],
     "linear_backend": llm.stats()["linear_backend"],
     "calls": sorted(calls),
@@ -165,7 +170,8 @@ def test_every_kernel_sent_to_its_library_path_gives_the_same_tokens(llama_dir):
     paths, not results: greedy tokens and beams equal the all-compiled engine's."""
     compiled = run_engine(llama_dir)
     library = run_engine(llama_dir, BATCHGEN_LIBRARY_KERNELS=",".join(cpu.LIBRARY_ALTERNATIVES))
-    assert {"add_rms_norm", "rotary", "kv_write", "zero_blocks", "beam_topk"} <= set(compiled.pop("calls"))
+    assert {"add_rms_norm", "rotary", "kv_write", "zero_blocks", "beam_topk", "token_mask"} <= set(compiled.pop("calls"))
+    assert all(re.fullmatch(r"[a-c]{2,5}\.(x|yz)", text) for texts in compiled["constrained"] for text in texts)
     assert library.pop("calls") == []  # no compiled kernel but the GEMM's ran
     assert compiled == library and compiled["linear_backend"] == "cpu"
     unknown = subprocess.run(
