@@ -217,12 +217,14 @@ def _sample_sorted(
 
 
 @functools.cache  # decided once per process: sample() asks every step
-def fused_kernels() -> ModuleType | None:
-    """``batchgen_kernels.cpu_sampling`` where the compiled CPU kernels build, else None (torch code only)."""
+def fused_kernels(swap: str = "sampling") -> ModuleType | None:
+    """``batchgen_kernels.cpu_sampling`` where the compiled CPU kernels build and
+    ``BATCHGEN_LIBRARY_KERNELS`` does not send ``swap`` (``sampling``, ``token_mask``) to its
+    library path, else None (torch code, or xgrammar's mask kernel, only)."""
     try:
         from batchgen_kernels import cpu, cpu_sampling  # noqa: PLC0415
 
-        if "sampling" in cpu.library_kernels():
+        if swap in cpu.library_kernels():
             return None
         cpu.load()
     except (ImportError, RuntimeError):

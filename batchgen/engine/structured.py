@@ -18,16 +18,16 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from batchgen.engine.sampler import fused_kernels
 from batchgen.params import StructuredOutputsParams
 
 
@@ -138,9 +138,9 @@ class StructuredOutputs:
             token_mask(scores, mask.to(scores.device, non_blocking=True), rows)
             return
         t0 = time.perf_counter()
-        kernel = _cpu_token_mask() if scores.dtype == torch.float32 and scores.stride(-1) == 1 else None
-        if kernel is not None:
-            kernel(scores, mask, rows, self.vocab_size)
+        kernels = fused_kernels("token_mask") if scores.dtype == torch.float32 and scores.stride(-1) == 1 else None
+        if kernels is not None:
+            kernels.token_mask(scores, mask, rows, self.vocab_size)
         else:
             self._xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=self.vocab_size, indices=rows)
         self.mask_s += time.perf_counter() - t0
@@ -156,21 +156,6 @@ class StructuredOutputs:
             "grammar_compile_s": self.compile_s,
             "grammar_mask_s": self.mask_s,
         }
-
-
-@functools.cache  # asked at every step
-def _cpu_token_mask() -> Callable[[torch.Tensor, torch.Tensor, list[int], int], None] | None:
-    """The compiled CPU mask kernel where the kernels build and ``BATCHGEN_LIBRARY_KERNELS`` does
-    not name ``token_mask``; else None (xgrammar's kernel)."""
-    try:
-        from batchgen_kernels import cpu, cpu_sampling  # noqa: PLC0415
-
-        if "token_mask" in cpu.library_kernels():
-            return None
-        cpu.load()
-    except (ImportError, RuntimeError):
-        return None
-    return cpu_sampling.token_mask
 
 
 def allowed(mask: torch.Tensor, row: int, token: int) -> bool:
