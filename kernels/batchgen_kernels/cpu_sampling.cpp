@@ -10,8 +10,12 @@
 // writes and the rereads cost more than the exponentials), and the draw, top-p by rejection and the
 // chosen token's log-probability follow from it in the same call.
 //
+// ``token_mask`` applies structured outputs' grammar mask (xgrammar's bitmask) to the constrained
+// rows before any of that.
+//
 // Rows are split over OpenMP threads. batchgen/engine/sampler.py's torch code is the reference
-// (tests/engine/test_sampler.py compares the two).
+// (tests/engine/test_sampler.py compares the two; tests/kernels/test_token_mask.py the mask with
+// reference.token_mask_ref and xgrammar's kernel).
 
 #include <algorithm>
 #include <vector>
