@@ -128,8 +128,8 @@ class StructuredOutputs:
     def apply(self, scores: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
         """Set the tokens ``mask`` does not allow to -inf in ``scores``' ``rows`` (in place; ``mask``
         has a row for every row of ``scores``). On the CPU, float32 scores take the compiled kernel
-        (``cpu_sampling.token_mask``: it skips the words of all-allowed tokens and selects 16 lanes
-        at a time, where xgrammar's kernel writes one token at a time) and anything else xgrammar's
+        (``cpu_sampling.token_mask``: it skips all-allowed words and bytes and selects a byte's 8
+        lanes at once, where xgrammar's kernel writes one token at a time) and anything else xgrammar's
         kernel; on a GPU batchgen's Triton kernel (``batchgen_kernels.token_mask``) takes the mask
         copied to the device."""
         if scores.is_cuda:
