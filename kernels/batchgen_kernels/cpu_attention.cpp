@@ -31,11 +31,13 @@ constexpr int kMaxGroup = 32;  // query heads per kv head
 constexpr int kMaxDim = 256;   // head_dim
 constexpr int kMaxBlock = 256;  // block_size
 
-// The general loop, for any shape within the limits above: one key at a time.
+// The general loop, for any shape within the limits above: one key at a time. ``init`` (or null):
+// the state of each of the group's heads over the row's first ``from`` keys (attend_shared's,
+// stride dim + 2), which the loop goes on from.
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t group,
             int64_t dim, int64_t num_blocks, int64_t block_size, int64_t kv_head, float scale, int64_t window,
-            float softcap, const float* sinks, T* out) {
+            float softcap, const float* sinks, int64_t from, const float* init, T* out) {
   alignas(64) float qf[kMaxGroup][kMaxDim];
   alignas(64) float acc[kMaxGroup][kMaxDim];
   alignas(64) float s[kMaxBlock];
@@ -47,8 +49,14 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     // a sink is one more logit whose value vector is zero: it starts the running max and sum
     m[h] = sinks ? sinks[h] : -INFINITY;
     l[h] = sinks ? 1.0f : 0.0f;
+    if (init) {
+      const float* st = init + h * (dim + 2);
+      m[h] = st[0];
+      l[h] = st[1];
+      for (int64_t i = 0; i < dim; ++i) acc[h][i] = st[2 + i];
+    }
   }
-  const int64_t start = window > 0 && ctx > window ? ctx - window : 0;
+  const int64_t start = std::max(window > 0 && ctx > window ? ctx - window : 0, from);
   const int64_t head_base = kv_head * num_blocks * block_size * dim;
   for (int64_t b = start / block_size; b * block_size < ctx; ++b) {
     const int64_t base = head_base + table[b] * block_size * dim;
@@ -173,7 +181,6 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   constexpr int D = 16 * N;
   constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 minus_inf = v16{} - INFINITY;
   v16 qf[G][N] = {}, acc[G][N] = {}, lsum[G] = {};
   alignas(64) v16 sc[G][C];  // a tile's scores, then its softmax weights
   float m[G] = {};
@@ -200,7 +207,7 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     const int chunks = at.chunks;
     for (int ch = 0; ch < chunks; ++ch) {
       const T* kb = k_cache + at.base[ch];
-      const auto outside = (iota < at.k0[ch]) | (iota >= at.k1[ch]);
+      const int32_t k0 = at.k0[ch], k1 = at.k1[ch];
       // bfloat16 keys are widened once per chunk, not once per query head
       alignas(64) float widened[sizeof(T) == 2 ? 16 * D : 1];
       const float* keys = reinterpret_cast<const float*>(kb);
@@ -222,12 +229,13 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
         v16 x = reduce16(t);
         if (softcap > 0)
           for (int i = 0; i < 16; ++i) x[i] = std::tanh(x[i] * scale / softcap) * softcap;
-        sc[h][ch] = outside ? minus_inf : x;
+        sc[h][ch] = lanewise([k0, k1](auto i, auto v) { return (i < k0) | (i >= k1) ? decltype(v){} - INFINITY : v; },
+                             iota, x);
       }
     }
     for (int h = 0; h < G; ++h) {
       v16 top = sc[h][0];
-      for (int ch = 1; ch < chunks; ++ch) top = sc[h][ch] > top ? sc[h][ch] : top;
+      for (int ch = 1; ch < chunks; ++ch) top = larger(sc[h][ch], top);
       const float mx = rescale_to_tile(top, m[h], lsum[h], acc[h]);
       for (int ch = 0; ch < chunks; ++ch) {
         sc[h][ch] = exp16(sc[h][ch] - mx);  // 0 outside the row's keys
@@ -375,8 +383,8 @@ inline void for_lanes(int64_t rows, int64_t group, int64_t kv_head, F f) {
 
 // The lanes' online-softmax state into ``state`` (per row and head of the pack, stride dim + 2):
 // running maximum, running sum, then element i of the accumulators at acc[at(i)].
-template <typename At>
-inline void write_state(v16 m, v16 l, const float (*acc)[kLanes], int64_t dim, int64_t rows, int64_t group,
+template <typename Lanes, typename At>  // Lanes: v16 or float[kLanes]
+inline void write_state(const Lanes& m, const Lanes& l, const float (*acc)[kLanes], int64_t dim, int64_t rows, int64_t group,
                         int64_t heads, int64_t kv_head, float* state, At at) {
   for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
     float* st = state + (r * heads + head) * (dim + 2);
@@ -394,7 +402,8 @@ void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache
   alignas(64) float qt[D][kLanes];   // qt[i][lane]: element i of the lane's query (scaled); 0 in unused lanes
   alignas(64) float acc[D][kLanes];  // the same layout for the weighted sums
   alignas(64) float kw[sizeof(T) == 2 ? 16 * D : 1], vw[sizeof(T) == 2 ? 16 * D : 1];
-  v16 m = v16{} - INFINITY, l = v16{};
+  alignas(64) float m[kLanes], l[kLanes];  // each lane's running maximum and sum
+  for (int lane = 0; lane < kLanes; ++lane) m[lane] = -INFINITY, l[lane] = 0.0f;
   for (int i = 0; i < D; ++i)
     for (int lane = 0; lane < kLanes; ++lane) qt[i][lane] = acc[i][lane] = 0.0f;
   for_lanes(rows, group, kv_head, [&](int64_t lane, int64_t head, int64_t r) {
@@ -418,28 +427,34 @@ void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache
       kf = kw;
       vf = vw;
     }
-    v16 s[16];
-    for (int k = 0; k < 16; ++k) s[k] = v16{};
-    for (int i = 0; i < D; ++i) {
-      const v16 qi = load16(qt[i]);
-      for (int k = 0; k < 16; ++k) s[k] += qi * kf[k * D + i];
-    }
-    v16 top = s[0];
-    for (int k = 1; k < 16; ++k) top = s[k] > top ? s[k] : top;
-    const v16 mx = top > m ? top : m;
-    const v16 corr = exp16(m - mx);  // 0 where m is -inf (no key yet), 1 where the maximum stays
-    l *= corr;
-    for (int k = 0; k < 16; ++k) {
-      s[k] = exp16(s[k] - mx);
-      l += s[k];
-    }
-    m = mx;
-    for (int i0 = 0; i0 < D; i0 += 8) {  // 8 independent accumulator chains
-      v16 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = load16(acc[i0 + i]) * corr;
-      for (int k = 0; k < 16; ++k)
-        for (int i = 0; i < 8; ++i) a[i] += s[k] * vf[k * D + i0 + i];
-      for (int i = 0; i < 8; ++i) store16(acc[i0 + i], a[i]);
+    // the 16 lanes as kParts native vectors (cpu_simd.h), each lane's arithmetic the same
+    for (int part = 0; part < kParts; ++part) {
+      const int o = part * kWidth;
+      vn s[16];
+      for (int k = 0; k < 16; ++k) s[k] = vn{};
+      for (int i = 0; i < D; ++i) {
+        const vn qi = load_vn(qt[i] + o);
+        for (int k = 0; k < 16; ++k) s[k] += qi * kf[k * D + i];
+      }
+      vn top = s[0];
+      for (int k = 1; k < 16; ++k) top = s[k] > top ? s[k] : top;
+      const vn mp = load_vn(m + o);
+      const vn mx = top > mp ? top : mp;
+      const vn corr = exp_lanes(mp - mx);  // 0 where m is -inf (no key yet), 1 where the maximum stays
+      vn lp = load_vn(l + o) * corr;
+      for (int k = 0; k < 16; ++k) {
+        s[k] = exp_lanes(s[k] - mx);
+        lp += s[k];
+      }
+      std::memcpy(m + o, &mx, sizeof mx);
+      std::memcpy(l + o, &lp, sizeof lp);
+      for (int i0 = 0; i0 < D; i0 += 8) {  // 8 independent accumulator chains
+        vn a[8];
+        for (int i = 0; i < 8; ++i) a[i] = load_vn(acc[i0 + i] + o) * corr;
+        for (int k = 0; k < 16; ++k)
+          for (int i = 0; i < 8; ++i) a[i] += s[k] * vf[k * D + i0 + i];
+        for (int i = 0; i < 8; ++i) std::memcpy(acc[i0 + i] + o, &a[i], sizeof a[i]);
+      }
     }
   }
   write_state(m, l, acc, D, rows, group, heads, kv_head, state, [](int64_t i) { return i; });
@@ -621,8 +636,17 @@ bool dispatch_dim(int64_t dim, const T* q, const T* k, const T* v, const int64_t
   });
 }
 
-// Whether attend_fast takes a shape: head_dim 64 or 128, at most 8 query heads per kv head, blocks
-// of a multiple of 16 keys (the rows of a pack go on on it from their shared state).
+// Whether the per-row vector pass runs at all: with AVX-512 registers. Without them its 16-lane
+// tiles and shuffles are lowered to far slower code than the general loop's 8-lane one (2.5x on
+// AVX2; see cpu_simd.h), so rows go to the general loop (shared packs still run, 8 lanes at a time).
+#if defined(__AVX512F__)
+constexpr bool kVectorPass = true;
+#else
+constexpr bool kVectorPass = false;
+#endif
+
+// The shapes of the vector passes (attend_fast where kVectorPass, and attend_shared): head_dim 64
+// or 128, at most 8 query heads per kv head, blocks of a multiple of 16 keys.
 inline bool vector_path(int64_t group, int64_t dim, int64_t block_size) {
   return block_size % 16 == 0 && group <= 8 && (dim == 64 || dim == 128);
 }
@@ -631,7 +655,7 @@ template <typename T, bool Dot>
 bool attend_fast(int64_t group, int64_t dim, const T* q, const T* k, const T* v, const int64_t* table, int64_t ctx,
                  int64_t num_blocks, int64_t block_size, int64_t kvh, float scale, int64_t window, float softcap,
                  const float* sinks, int64_t from, const float* init, T* out) {
-  if (!vector_path(group, dim, block_size)) return false;
+  if (!vector_path(group, dim, block_size) || !kVectorPass) return false;
 #define BATCHGEN_GROUP(g)                                                                                         \
   case g:                                                                                                         \
     return dispatch_dim<T, g, Dot>(dim, q, k, v, table, ctx, num_blocks, block_size, kvh, scale, window, softcap, \
@@ -710,7 +734,7 @@ int decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables
     if (!attend_fast<T, Dot>(group, dim, q + off, k_cache, v_cache, table, ctx[row], num_blocks, block_size, kvh,
                              scale, window, softcap, sk, first, init, out + off))
       attend<T>(q + off, k_cache, v_cache, table, ctx[row], group, dim, num_blocks, block_size, kvh, scale,
-                window, softcap, sk, out + off);
+                window, softcap, sk, first, init, out + off);
   }
   return 0;
 }

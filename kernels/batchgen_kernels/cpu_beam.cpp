@@ -42,9 +42,10 @@ struct Best {
 void row_stats(const float* x, int64_t vocab, float* max_out, float* log_sum_out) {
   const int64_t full = vocab / 16 * 16;
   const float mx = row_max(x, vocab);
-  v16 acc = v16{};
-  for (int64_t j = 0; j < full; j += 16) acc += exp16(load16(x + j) - mx);
-  float sum = hsum(acc);
+  vn acc[kParts] = {};
+  for (int64_t j = 0; j < full; j += 16)
+    for (int q = 0; q < kParts; ++q) acc[q] += exp_lanes(load_vn(x + j + q * kWidth) - mx);
+  float sum = hsum(joined(acc));
   for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(x[j] - mx);
   *max_out = mx;
   *log_sum_out = std::log(sum);
@@ -60,12 +61,14 @@ void scan_row(const float* x, int64_t vocab, float mx, float log_sum, float runn
   };
   const int64_t full = vocab / 64 * 64;
   for (int64_t j = 0; j < full; j += 64) {
-    v16 m = load16(x + j);
-    for (int c = 16; c < 64; c += 16) {
-      const v16 v = load16(x + j + c);
-      m = v > m ? v : m;
-    }
-    if (best.count == best.keep && !(score(hmax(m)) > best.threshold())) continue;
+    vn m[kParts];
+    for (int q = 0; q < kParts; ++q) m[q] = load_vn(x + j + q * kWidth);
+    for (int c = 16; c < 64; c += 16)
+      for (int q = 0; q < kParts; ++q) {
+        const vn v = load_vn(x + j + c + q * kWidth);
+        m[q] = v > m[q] ? v : m[q];
+      }
+    if (best.count == best.keep && !(score(hmax(joined(m))) > best.threshold())) continue;
     for (int64_t t = j; t < j + 64; ++t) visit(t);
   }
   for (int64_t j = full; j < vocab; ++j) visit(j);

@@ -39,14 +39,16 @@ float tempered_row(const float* x, const float* y, int64_t vocab, float t, int64
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t j0 = b * block, j1 = j0 + block < vocab ? j0 + block : vocab;
     const int64_t full = j0 + (j1 - j0) / 16 * 16;
-    v16 acc = v16{}, acc_raw = v16{};
-    for (int64_t j = j0; j < full; j += 16) {
-      const v16 e = exp16((load16(x + j) - mx) * t);
-      std::memcpy(p + j, &e, sizeof e);
-      acc += e;
-      if (!same) acc_raw += exp16(load16(y + j) - my);
-    }
-    float sum = hsum(acc), sum_raw = same ? sum : hsum(acc_raw);
+    vn acc[kParts] = {}, acc_raw[kParts] = {};
+    for (int64_t j = j0; j < full; j += 16)
+      for (int q = 0; q < kParts; ++q) {
+        const int64_t at = j + q * kWidth;
+        const vn e = exp_lanes((load_vn(x + at) - mx) * t);
+        std::memcpy(p + at, &e, sizeof e);
+        acc[q] += e;
+        if (!same) acc_raw[q] += exp_lanes(load_vn(y + at) - my);
+      }
+    float sum = hsum(joined(acc)), sum_raw = same ? sum : hsum(joined(acc_raw));
     for (int64_t j = full; j < j1; ++j) {
       p[j] = exp_nonpositive((x[j] - mx) * t);
       sum += p[j];
@@ -61,17 +63,18 @@ float tempered_row(const float* x, const float* y, int64_t vocab, float t, int64
 // The sum of p[0..vocab) over the values strictly greater than th: float lanes for a stretch of
 // 2048, then into a double.
 double mass_above_row(const float* p, int64_t vocab, float th) {
-  const v16 thv = v16{} + th;
+  const vn thv = vn{} + th;
   const int64_t full = vocab / 16 * 16;
   double total = 0.0;
   for (int64_t j0 = 0; j0 < full; j0 += 2048) {
     const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
-    v16 acc = v16{};
-    for (int64_t j = j0; j < j1; j += 16) {
-      const v16 v = load16(p + j);
-      acc += v > thv ? v : v16{};
-    }
-    total += hsum(acc);
+    vn acc[kParts] = {};
+    for (int64_t j = j0; j < j1; j += 16)
+      for (int q = 0; q < kParts; ++q) {
+        const vn v = load_vn(p + j + q * kWidth);
+        acc[q] += v > thv ? v : vn{};
+      }
+    total += hsum(joined(acc));
   }
   for (int64_t j = full; j < vocab; ++j) total += p[j] > th ? p[j] : 0.0f;
   return total;
@@ -80,20 +83,26 @@ double mass_above_row(const float* p, int64_t vocab, float th) {
 // The first position of the largest of x[0..vocab) (as torch.argmax; NaN is never the largest here)
 int64_t argmax_row(const float* x, int64_t vocab, float* largest) {
   const int64_t full = vocab / 16 * 16;
-  static const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   // each lane's largest value and its first position, then the lanes' first largest
-  v16 best = v16{} - INFINITY;
-  i32x16 at = iota;
-  for (int64_t j = 0; j < full; j += 16) {
-    const v16 v = load16(x + j);
-    const i32x16 gt = v > best;
-    best = gt ? v : best;
-    at = gt ? iota + static_cast<int32_t>(j) : at;
+  vn best[kParts];
+  in_t at[kParts], iota[kParts];
+  for (int q = 0; q < kParts; ++q) {
+    best[q] = vn{} - INFINITY;
+    for (int l = 0; l < kWidth; ++l) iota[q][l] = q * kWidth + l;
+    at[q] = iota[q];
   }
+  for (int64_t j = 0; j < full; j += 16)
+    for (int q = 0; q < kParts; ++q) {
+      const vn v = load_vn(x + j + q * kWidth);
+      const in_t gt = v > best[q];
+      best[q] = gt ? v : best[q];
+      at[q] = gt ? iota[q] + static_cast<int32_t>(j) : at[q];
+    }
   float mx = -INFINITY;
   int64_t arg = 0;
-  for (int l = 0; l < 16; ++l)
-    if (best[l] > mx || (best[l] == mx && at[l] < arg)) mx = best[l], arg = at[l];
+  for (int q = 0; q < kParts; ++q)
+    for (int l = 0; l < kWidth; ++l)
+      if (best[q][l] > mx || (best[q][l] == mx && at[q][l] < arg)) mx = best[q][l], arg = at[q][l];
   for (int64_t j = full; j < vocab; ++j)
     if (x[j] > mx) mx = x[j], arg = j;
   *largest = mx;
@@ -106,9 +115,10 @@ float log_sum_exp_row(const float* y, int64_t vocab, float my) {
   double sum = 0.0;
   for (int64_t j0 = 0; j0 < full; j0 += 2048) {  // float lanes for a stretch, then into a double
     const int64_t j1 = j0 + 2048 < full ? j0 + 2048 : full;
-    v16 acc = v16{};
-    for (int64_t j = j0; j < j1; j += 16) acc += exp16(load16(y + j) - my);
-    sum += hsum(acc);
+    vn acc[kParts] = {};
+    for (int64_t j = j0; j < j1; j += 16)
+      for (int q = 0; q < kParts; ++q) acc[q] += exp_lanes(load_vn(y + j + q * kWidth) - my);
+    sum += hsum(joined(acc));
   }
   for (int64_t j = full; j < vocab; ++j) sum += exp_nonpositive(y[j] - my);
   return my + static_cast<float>(std::log(sum));
@@ -144,10 +154,8 @@ int64_t draw_row(const float* p, int64_t vocab, int64_t block, const double* cdf
 
 // One row's grammar mask: tokens [0, vocab) whose bit (bit j % 32 of word j / 32) is 0 become -inf.
 // A word or byte with every bit set (allowed tokens: most of a row inside a JSON string) is skipped;
-// otherwise a byte's bits select 8 lanes at once (8-lane vectors: the 16-lane type's lane masks
-// compile to scalar code on AVX2).
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
+// otherwise a byte's bits select 8 lanes at once (8-lane vectors on every target: see lanewise in
+// cpu_simd.h).
 void token_mask_row(float* x, int64_t vocab, const int32_t* bits) {
   const i32x8 lane = {1, 2, 4, 8, 16, 32, 64, 128};
   const i32x8 ninf = i32x8{} + static_cast<int32_t>(0xff800000u);  // -inf's bits

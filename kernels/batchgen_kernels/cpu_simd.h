@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include "cpu_intrin.h"
@@ -75,6 +76,90 @@ inline v16 load16(const uint16_t* p) {
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// Without 512-bit registers (AVX2, or no x86 at all), GCC 12 lowers a 16-lane comparison or select
+// to one lane at a time, and keeps a 16-lane vector that a loop carries in memory. There the
+// lane-wise code runs on 8-lane halves (``lanewise``), and the row loops on ``vn``, the widest
+// vector the target has registers for: ``kParts`` of them to a 16-lane step, each with its own sums,
+// so the lanes add in the order of a 16-lane vector and the results are the same bits.
+#if defined(__AVX512F__)
+typedef v16 vn;
+typedef i32x16 in_t;
+constexpr int kParts = 1;
+template <class Fn, class... V>
+inline auto lanewise(Fn fn, V... v) {
+  return fn(v...);
+}
+#else
+typedef v8 vn;
+typedef i32x8 in_t;
+constexpr int kParts = 2;
+#if defined(__has_builtin) && !defined(BATCHGEN_NO_SHUFFLEVECTOR)
+#if __has_builtin(__builtin_shufflevector)
+#define BATCHGEN_SHUFFLEVECTOR
+#endif
+#endif
+#ifdef BATCHGEN_SHUFFLEVECTOR
+template <class V>
+inline auto low_half(V x) {
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+template <class V>
+inline auto high_half(V x) {
+  return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+template <class H>
+inline auto join_halves(H a, H b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#else  // compilers before GCC 12 (or -DBATCHGEN_NO_SHUFFLEVECTOR): through memory
+template <class V>
+inline auto low_half(V x) {
+  typedef std::remove_reference_t<decltype(x[0])> E;
+  typedef E H __attribute__((vector_size(sizeof(V) / 2)));
+  H h;
+  std::memcpy(&h, &x, sizeof h);
+  return h;
+}
+template <class V>
+inline auto high_half(V x) {
+  typedef std::remove_reference_t<decltype(x[0])> E;
+  typedef E H __attribute__((vector_size(sizeof(V) / 2)));
+  H h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&x) + sizeof h, sizeof h);
+  return h;
+}
+template <class H>
+inline auto join_halves(H a, H b) {
+  typedef std::remove_reference_t<decltype(a[0])> E;
+  typedef E V __attribute__((vector_size(2 * sizeof(H))));
+  V v;
+  std::memcpy(&v, &a, sizeof a);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof a, &b, sizeof b);
+  return v;
+}
+#endif
+// fn(v...) lane by lane: on the low halves, then on the high ones
+template <class Fn, class... V>
+inline auto lanewise(Fn fn, V... v) {
+  return join_halves(fn(low_half(v)...), fn(high_half(v)...));
+}
+#endif
+constexpr int kWidth = 16 / kParts;  // the lanes of a vn
+
+inline vn load_vn(const float* p) {
+  vn v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// the 16 lanes whose parts are ``parts``, lowest first
+inline v16 joined(const vn (&parts)[kParts]) {
+  v16 v;
+  std::memcpy(&v, parts, sizeof v);
+  return v;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The CPU's conversion instruction: round to nearest even as torch's, NaN stays NaN; a float32
@@ -119,6 +204,19 @@ inline float hsum(v16 x) {
   return x[0];
 }
 inline float hmax(v16 x) {
+#if !defined(__AVX512F__)
+  v8 h = low_half(x), y = high_half(x);  // 8-lane comparisons (see lanewise)
+  h = y > h ? y : h;
+  static const i32x8 swap4 = {4, 5, 6, 7, 0, 1, 2, 3}, swap2 = {2, 3, 0, 1, 6, 7, 4, 5},
+                     swap1 = {1, 0, 3, 2, 5, 4, 7, 6};
+  y = __builtin_shuffle(h, swap4);
+  h = y > h ? y : h;
+  y = __builtin_shuffle(h, swap2);
+  h = y > h ? y : h;
+  y = __builtin_shuffle(h, swap1);
+  h = y > h ? y : h;
+  return h[0];
+#else
   v16 y = fold(x, 8);
   x = y > x ? y : x;
   y = fold(x, 4);
@@ -128,21 +226,33 @@ inline float hmax(v16 x) {
   y = fold(x, 1);
   x = y > x ? y : x;
   return x[0];
+#endif
 }
 
-// exp_nonpositive on 16 lanes (rounding to the nearest integer by the 1.5 * 2^23 trick)
-inline v16 exp16(v16 x) {
-  const v16 lowest = v16{} - 87.0f;
-  const auto tiny = x < lowest;
+// a > b ? a : b, lane by lane
+inline v16 larger(v16 a, v16 b) {
+  return lanewise([](auto x, auto y) { return x > y ? x : y; }, a, b);
+}
+
+// exp_nonpositive lane by lane, on a float vector of any width (rounding to the nearest integer by
+// the 1.5 * 2^23 trick)
+template <class F>
+inline F exp_lanes(F x) {
+  using I = decltype(x < x);  // the int vector of F's width
+  const F lowest = F{} - 87.0f;
+  const I tiny = x < lowest;
   x = tiny ? lowest : x;
-  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-           1.6666665459e-1f) * r + 5.0000001201e-1f;
+  const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+         1.6666665459e-1f) * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const v16 y = p * (v16)e;
-  return tiny ? v16{} : y;
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  const F y = p * (F)e;
+  return tiny ? F{} : y;
+}
+inline v16 exp16(v16 x) {
+  return lanewise([](auto h) { return exp_lanes(h); }, x);
 }
 
 // silu(a) = a / (1 + exp(-a)), with the exponential of a non-positive argument only
@@ -150,21 +260,27 @@ inline float silu(float a) {
   const float e = exp_nonpositive(a >= 0 ? -a : a);
   return (a >= 0 ? a : a * e) / (1.0f + e);
 }
-inline v16 silu16(v16 a) {
+template <class F>
+inline F silu_lanes(F a) {
   const auto neg = a < 0;
-  const v16 e = exp16(neg ? a : -a);
+  const F e = exp_lanes(neg ? a : -a);
   return (neg ? a * e : a) / (1.0f + e);
+}
+inline v16 silu16(v16 a) {
+  return lanewise([](auto h) { return silu_lanes(h); }, a);
 }
 
 // The largest of x[0..n)
 inline float row_max(const float* x, int64_t n) {
   const int64_t full = n / 16 * 16;
-  v16 m = v16{} - INFINITY;
-  for (int64_t j = 0; j < full; j += 16) {
-    const v16 v = load16(x + j);
-    m = v > m ? v : m;
-  }
-  float r = hmax(m);
+  vn m[kParts];
+  for (int q = 0; q < kParts; ++q) m[q] = vn{} - INFINITY;
+  for (int64_t j = 0; j < full; j += 16)
+    for (int q = 0; q < kParts; ++q) {
+      const vn v = load_vn(x + j + q * kWidth);
+      m[q] = v > m[q] ? v : m[q];
+    }
+  float r = hmax(joined(m));
   for (int64_t j = full; j < n; ++j) r = x[j] > r ? x[j] : r;
   return r;
 }
