@@ -81,8 +81,8 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 // Without 512-bit registers (AVX2, or no x86 at all), GCC 12 lowers a 16-lane comparison or select
 // to one lane at a time, and keeps a 16-lane vector that a loop carries in memory. There the
-// lane-wise code runs on 8-lane halves (``lanewise``), and the row loops on ``vn``, the widest
-// vector the target has registers for: ``kParts`` of them to a 16-lane step, each with its own sums,
+// lane-wise code runs on 8-lane halves (``lanewise``), and the row loops on ``vn``, 8 lanes (an
+// AVX2 register; 16 with AVX-512): ``kParts`` of them to a 16-lane step, each with its own sums,
 // so the lanes add in the order of a 16-lane vector and the results are the same bits.
 #if defined(__AVX512F__)
 typedef v16 vn;
