@@ -30,6 +30,18 @@ def test_every_variant_builds_with_warnings_as_errors(name, tmp_path):
     assert out.stat().st_size > 0
 
 
+@pytest.mark.skipif(
+    not os.environ.get("BATCHGEN_BUILD_VARIANTS") or "avx2" not in cpu.variants(),
+    reason="every variant's -Werror build runs in .ci/run",
+)
+def test_the_halves_through_memory_build_with_warnings_as_errors(tmp_path):
+    """cpu_simd.h's 8-lane halves without __builtin_shufflevector (compilers before GCC 12)."""
+    out = tmp_path / "avx2-no-shufflevector.so"
+    flags = [*cpu.variant_flags("avx2"), "-DBATCHGEN_NO_SHUFFLEVECTOR", *cpu.WARNINGS]
+    cpu.compile_library(cpu.compiler(), flags, out)
+    assert out.stat().st_size > 0
+
+
 def test_the_variant_loaded_is_the_forced_one_else_the_best_this_cpu_runs():
     runnable = cpu.runnable_variants()
     assert runnable[0] in ("default", "native")
