@@ -181,6 +181,7 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
   constexpr int D = 16 * N;
   constexpr int C = kTileChunks;
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 minus_inf = v16{} - INFINITY;
   v16 qf[G][N] = {}, acc[G][N] = {}, lsum[G] = {};
   alignas(64) v16 sc[G][C];  // a tile's scores, then its softmax weights
   float m[G] = {};
@@ -207,7 +208,7 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     const int chunks = at.chunks;
     for (int ch = 0; ch < chunks; ++ch) {
       const T* kb = k_cache + at.base[ch];
-      const int32_t k0 = at.k0[ch], k1 = at.k1[ch];
+      const auto outside = (iota < at.k0[ch]) | (iota >= at.k1[ch]);
       // bfloat16 keys are widened once per chunk, not once per query head
       alignas(64) float widened[sizeof(T) == 2 ? 16 * D : 1];
       const float* keys = reinterpret_cast<const float*>(kb);
@@ -229,13 +230,12 @@ void attend_vec(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
         v16 x = reduce16(t);
         if (softcap > 0)
           for (int i = 0; i < 16; ++i) x[i] = std::tanh(x[i] * scale / softcap) * softcap;
-        sc[h][ch] = lanewise([k0, k1](auto i, auto v) { return (i < k0) | (i >= k1) ? decltype(v){} - INFINITY : v; },
-                             iota, x);
+        sc[h][ch] = outside ? minus_inf : x;
       }
     }
     for (int h = 0; h < G; ++h) {
       v16 top = sc[h][0];
-      for (int ch = 1; ch < chunks; ++ch) top = larger(sc[h][ch], top);
+      for (int ch = 1; ch < chunks; ++ch) top = sc[h][ch] > top ? sc[h][ch] : top;
       const float mx = rescale_to_tile(top, m[h], lsum[h], acc[h]);
       for (int ch = 0; ch < chunks; ++ch) {
         sc[h][ch] = exp16(sc[h][ch] - mx);  // 0 outside the row's keys

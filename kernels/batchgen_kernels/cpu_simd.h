@@ -229,11 +229,6 @@ inline float hmax(v16 x) {
 #endif
 }
 
-// a > b ? a : b, lane by lane
-inline v16 larger(v16 a, v16 b) {
-  return lanewise([](auto x, auto y) { return x > y ? x : y; }, a, b);
-}
-
 // exp_nonpositive lane by lane, on a float vector of any width (rounding to the nearest integer by
 // the 1.5 * 2^23 trick)
 template <class F>
