@@ -6,10 +6,12 @@ settings ``linear_backend=onednn`` for the GEMM and ``attention_backend=torch`` 
     python scripts/kernel_ablation.py [S B D] [--rounds 3] [--dtype float32|bfloat16]
                                       [--kernels rms_norm gemm ...] [--json kernel-ablation.json]
 
-Each run is a fresh process. A round runs every configuration once, in the same order, so that the
-machine's drift meets all of them; the table gives each configuration's median over the rounds and
-the kernel's gain, ``median(all compiled) / median(this kernel on the library) - 1``. The variant
-of the compiled kernels is this CPU's best, or ``BATCHGEN_CPU_CAPABILITY``'s (docs/kernels.md).
+Each run is a fresh process. A round runs every configuration once, so that the machine's drift
+meets all of them, each round starting one configuration later than the last (a place in the round
+that drift favours is no configuration's for good); the table gives each configuration's median
+over the rounds and the kernel's gain, ``median(all compiled) / median(this kernel on the library)
+- 1``. The variant of the compiled kernels is this CPU's best, or ``BATCHGEN_CPU_CAPABILITY``'s
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def main() -> None:
     for w in make_workloads(vocab, args.workloads):
         runs: dict[str, list[float]] = {str(c): [] for c in configs}
         for r in range(args.rounds):
-            for c in configs:
+            # each round starts one configuration later: no configuration keeps the same place
+            for c in configs[r % len(configs):] + configs[:r % len(configs)]:
                 runs[str(c)].append(run(args.model, w, args.threads, args.dtype, c))
                 print(f"{w.name} round {r + 1}: {c or 'all compiled'}: {runs[str(c)][-1]:.1f} tok/s", flush=True)
         results[w.name] = runs

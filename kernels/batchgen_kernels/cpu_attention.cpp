@@ -446,14 +446,14 @@ void attend_shared(const T* q, int64_t heads, const T* k_cache, const T* v_cache
         s[k] = exp_lanes(s[k] - mx);
         lp += s[k];
       }
-      std::memcpy(m + o, &mx, sizeof mx);
-      std::memcpy(l + o, &lp, sizeof lp);
+      store_vn(m + o, mx);
+      store_vn(l + o, lp);
       for (int i0 = 0; i0 < D; i0 += 8) {  // 8 independent accumulator chains
         vn a[8];
         for (int i = 0; i < 8; ++i) a[i] = load_vn(acc[i0 + i] + o) * corr;
         for (int k = 0; k < 16; ++k)
           for (int i = 0; i < 8; ++i) a[i] += s[k] * vf[k * D + i0 + i];
-        for (int i = 0; i < 8; ++i) std::memcpy(acc[i0 + i] + o, &a[i], sizeof a[i]);
+        for (int i = 0; i < 8; ++i) store_vn(acc[i0 + i] + o, a[i]);
       }
     }
   }

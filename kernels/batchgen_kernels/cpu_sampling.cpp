@@ -44,7 +44,7 @@ float tempered_row(const float* x, const float* y, int64_t vocab, float t, int64
       for (int q = 0; q < kParts; ++q) {
         const int64_t at = j + q * kWidth;
         const vn e = exp_lanes((load_vn(x + at) - mx) * t);
-        std::memcpy(p + at, &e, sizeof e);
+        store_vn(p + at, e);
         acc[q] += e;
         if (!same) acc_raw[q] += exp_lanes(load_vn(y + at) - my);
       }
