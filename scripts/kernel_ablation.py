@@ -4,7 +4,10 @@ every kernel compiled in, and again with one kernel at a time sent to the librar
 settings ``linear_backend=onednn`` for the GEMM and ``attention_backend=torch`` for attention).
 
     python scripts/kernel_ablation.py [S B D] [--rounds 3] [--dtype float32|bfloat16]
-                                      [--kernels rms_norm gemm ...] [--json kernel-ablation.json]
+                                      [--kernels rms_norm gemm rotary,kv_write ...] [--json kernel-ablation.json]
+
+Kernels joined by commas are one configuration: all of them on the library path at once (kernels
+too light to resolve one by one, measured together).
 
 Each run is a fresh process. A round runs every configuration once, so that the machine's drift
 meets all of them, each round starting one configuration later than the last (a place in the round
@@ -37,8 +40,10 @@ SETTINGS = {
 
 
 def run(model: str, workload, threads: int, dtype: str, kernel: str | None) -> float:
-    settings = SETTINGS[kernel][0] if kernel in SETTINGS else {}
-    os.environ["BATCHGEN_LIBRARY_KERNELS"] = kernel if kernel in cpu.LIBRARY_ALTERNATIVES else ""
+    """tokens/s with ``kernel`` (a name, or several joined by commas: one configuration) on the library."""
+    names = kernel.split(",") if kernel else []
+    settings = {k: v for n in names if n in SETTINGS for k, v in SETTINGS[n][0].items()}
+    os.environ["BATCHGEN_LIBRARY_KERNELS"] = ",".join(n for n in names if n in cpu.LIBRARY_ALTERNATIVES)
     try:  # the spawned interpreter reads the variable as it starts
         return in_fresh_process(run_batchgen, model, workload, threads, settings, dtype)["tokens_per_s"]
     finally:
@@ -58,7 +63,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=[*SETTINGS, *dense])
     ap.add_argument("--json", default="kernel-ablation.json")
     args = ap.parse_args()
-    unknown = set(args.kernels) - set(SETTINGS) - set(cpu.LIBRARY_ALTERNATIVES)
+    unknown = {n for k in args.kernels for n in k.split(",")} - set(SETTINGS) - set(cpu.LIBRARY_ALTERNATIVES)
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}; one of {[*SETTINGS, *cpu.LIBRARY_ALTERNATIVES]}")
     if not Path(args.model).is_dir():
@@ -86,7 +91,7 @@ def main() -> None:
     print("| --- | --- | " + " | ".join("---" for _ in names) + " |")
     print("| (all compiled) | | " + " | ".join(f"{base[w]:.1f} tok/s" for w in names) + " |")
     for k in args.kernels:
-        what = SETTINGS[k][1] if k in SETTINGS else cpu.LIBRARY_ALTERNATIVES[k]
+        what = "; ".join(SETTINGS[n][1] if n in SETTINGS else cpu.LIBRARY_ALTERNATIVES[n] for n in k.split(","))
         gains = [base[w] / statistics.median(results[w][k]) - 1 for w in names]
         print(f"| {k} | {what} | " + " | ".join(f"{g:+.1%}" for g in gains) + " |")
     Path(args.json).write_text(
