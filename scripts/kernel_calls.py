@@ -1,6 +1,7 @@
 """Each compiled CPU kernel against the library path it replaces, call by call, at the shapes of one
-decode step of workloads S and B, through the engine's own functions (``BATCHGEN_LIBRARY_KERNELS``
-switches them, as in scripts/kernel_ablation.py):
+decode step of workloads S and B, through the engine's own functions (beam top-k: the kernel, and
+the log-softmax and top-k its library branch runs), ``BATCHGEN_LIBRARY_KERNELS`` switching them as
+in scripts/kernel_ablation.py:
 
     python scripts/kernel_calls.py [--model models/bench-56m] [--rows 128] [--beams 64] [--rounds 7]
                                    [--step-ms S_MS B_MS]
@@ -12,10 +13,10 @@ medians over the rounds, the calls a decode step makes (this model's layers) and
 compiled kernel saves a step. The share of the step divides that by ``--step-ms`` for S and B (the
 decode step's time, ``decode_s / steps`` of ``scripts/bench.py``'s stats; 0: not shown).
 
-The calls repeat on warm caches with nothing between them. In a step their inputs come from the
-GEMMs and torch's temporaries go through the allocator, so a step saves more than this counts: the
-elementwise kernels together count 1.3% of S's step here and measured 8% in whole runs
-(docs/kernels.md, "What each kernel earns"). Read the table as a ranking and a lower bound.
+The calls repeat on warm caches with nothing between them, unlike a step's, and the counts miss in
+both directions against whole runs (docs/kernels.md, "What each kernel earns"): the elementwise
+kernels together count 1.3% of S's step here and measured 5-8% in whole runs, the sampler 13-20%
+here and 6.6% there. Read the table as a ranking of the kernels, not as a workload's gain.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--step-ms", type=float, nargs=2, default=[0.0, 0.0], metavar=("S", "B"))
     args = ap.parse_args()
+    if args.beams % 4 or not 0 < args.beams <= args.rows:
+        ap.error(f"--beams {args.beams}: a multiple of the beam width 4, at most --rows ({args.rows})")
     from transformers import AutoConfig  # noqa: PLC0415
 
     if not Path(args.model).is_dir():
