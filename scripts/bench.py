@@ -358,12 +358,13 @@ def run_batchgen_plain(model_dir: str, w: Workload, threads: int, dtype: str) ->
     return {**r, "paths": r["stats"]["quantized_paths"] or "dense"}
 
 
-def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str, formats: list[str] | None = None) -> dict:
+def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str, formats: list[str] | None = None,
+                repeat: int = 1) -> dict:
+    """Workload Q: bf16 and each format, one run each per round (fresh processes, in the same
+    order), ``repeat`` rounds; each side's median run."""
     from batchgen.tiny_quant import quantize_model
 
-    rows = {"bf16": in_fresh_process(run_batchgen_plain, model_dir, w, threads, dtype)}
-    print(f"    bf16               {rows['bf16']['tokens_per_s']:8.1f} tok/s, weights {rows['bf16']['weight_mib']:.0f} MiB, "
-          f"peak RSS {rows['bf16']['peak_rss_mib']:.0f} MiB", flush=True)
+    sides = {"bf16": model_dir}
     for name, (fmt, opts) in QUANT_FORMATS.items():
         if formats and name not in formats:
             continue
@@ -371,17 +372,23 @@ def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str, formats: 
         if not (Path(path) / "config.json").exists():
             print(f"    quantizing into {path} ...", flush=True)
             quantize_model(model_dir, path, fmt, **opts)
-        rows[name] = in_fresh_process(run_batchgen_plain, path, w, threads, dtype)
-        r = rows[name]
-        print(f"    {name:<18} {r['tokens_per_s']:8.1f} tok/s, weights {r['weight_mib']:.0f} MiB, "
-              f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['paths']})", flush=True)
+        sides[name] = path
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, path in sides.items():
+            r = in_fresh_process(run_batchgen_plain, path, w, threads, dtype)
+            runs[name].append(r)
+            print(f"    {name:<18} {r['tokens_per_s']:8.1f} tok/s, weights {r['weight_mib']:.0f} MiB, "
+                  f"peak RSS {r['peak_rss_mib']:.0f} MiB ({r['paths']})", flush=True)
+    rows = {name: sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2] for name, rs in runs.items()}
     base = rows["bf16"]
     print(f"\n| workload Q ({dtype} activations) | tok/s | over bf16 | weights MiB | over bf16 | peak RSS MiB | paths |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
               f"{r['weight_mib']:.0f} | {r['weight_mib'] / base['weight_mib']:.2f}x | {r['peak_rss_mib']:.0f} | {r['paths']} |")
-    return {"workload": "Q", "results": {k: {kk: v for kk, v in r.items() if kk != "stats"} for k, r in rows.items()}}
+    return {"workload": "Q", "repeat": repeat, "tokens_per_s": {k: [r["tokens_per_s"] for r in rs] for k, rs in runs.items()},
+            "results": {k: {kk: v for kk, v in r.items() if kk != "stats"} for k, r in rows.items()}}
 
 
 def bench_mxfp4(model_dir: str, w: Workload, threads: int, repeat: int) -> dict:
@@ -715,7 +722,7 @@ def main() -> None:
         lora_rows.append(bench_lora(args.model, w, args.threads, args.repeat, args.skip_baseline, args.dtype))
     for w in [w for w in workloads if w.name == "Q"]:
         print(f"workload Q: R's requests on {args.deep_model} in each quantized format", flush=True)
-        lora_rows.append(bench_quant(args.deep_model, w, args.threads, "bfloat16", args.quant_formats))
+        lora_rows.append(bench_quant(args.deep_model, w, args.threads, "bfloat16", args.quant_formats, args.repeat))
     for w in [w for w in workloads if w.name == "QX"]:
         print(f"workload QX: {w.notes}, {len(w.prompts)} prompts ({args.gpt_oss_model})", flush=True)
         lora_rows.append(bench_mxfp4(args.gpt_oss_model, w, args.threads, args.repeat))

@@ -57,9 +57,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    # int8_gemm runs only in int8 / W8A8 checkpoints (workload Q measures it), token_mask only under
+    # int8_gemm / int4_gemm run only in quantized checkpoints (workload Q measures them), token_mask only under
     # structured outputs (workload J: --kernels token_mask J); docs/kernels.md
-    dense = [k for k in cpu.LIBRARY_ALTERNATIVES if k not in ("int8_gemm", "token_mask")]
+    dense = [k for k in cpu.LIBRARY_ALTERNATIVES if k not in ("int8_gemm", "int4_gemm", "token_mask")]
     ap.add_argument("--kernels", nargs="*", default=[*SETTINGS, *dense])
     ap.add_argument("--json", default="kernel-ablation.json")
     args = ap.parse_args()

@@ -6,12 +6,16 @@ projection's tensors in its format's layout into one canonical form, ``QWeight``
 in input order after ``perm``: GPTQ's ``desc_act`` reorders inputs), or FP8 values with a per-tensor
 or per-row scale. ``QuantLinear`` runs it with the weights kept quantized:
 
-- 4 bits: torch's CPU int4 GEMM (``torch._weight_int4pack_mm_for_cpu``; the weights in its packed
-  layout, half a byte each, groups of 32 / 64 / 128 / 256, dequantized inside the GEMM);
+- 4 bits: in bf16 on a CPU with AMX, the compiled kernel's bf16 tiles (``PackedInt4Tiles``: half
+  a byte a weight, each rounded to bf16 inside the call); elsewhere torch's CPU int4 GEMM
+  (``torch._weight_int4pack_mm_for_cpu``; the weights in its packed layout, half a byte each,
+  groups of 32 / 64 / 128 / 256, dequantized inside the GEMM);
 - 8 bits, one symmetric scale per row: the compiled GEMM kernel's int8 path
   (``batchgen_kernels.cpu_gemm.PackedBytes``: one byte a weight, widened in registers), else
   ``torch._weight_int8pack_mm`` (``BATCHGEN_LIBRARY_KERNELS=int8_gemm`` forces it);
-- W8A8 (compressed-tensors ``int-quantized`` with dynamic per-token activations): activations
+- W8A8 (compressed-tensors ``int-quantized`` with dynamic per-token activations): on a CPU with
+  AMX-INT8, the compiled kernel's int8 x int8 tile GEMM (``PackedInt8Tiles``: each row rounded to
+  its int8 grid inside the call, int32 sums, both scales in the epilogue); elsewhere activations
   rounded to their per-token int8 grid inside the step, then the int8 GEMM above (``torch._int_mm``,
   the int8 x int8 GEMM, kept a weight-sized buffer per layer on the CPU: twice the memory);
 - FP8 (E4M3) weights: the compiled GEMM kernel's FP8 path (``PackedBytes`` again, widened through
@@ -43,7 +47,13 @@ import torch.nn.functional as F
 
 from batchgen.model import mxfp4
 from batchgen_kernels.cpu import library_kernels
-from batchgen_kernels.cpu_gemm import PackedBytes, PackedFP8Blocks, PackedMXFP4
+from batchgen_kernels.cpu_gemm import (
+    PackedBytes,
+    PackedFP8Blocks,
+    PackedInt4Tiles,
+    PackedInt8Tiles,
+    PackedMXFP4,
+)
 from batchgen_kernels.cpu_ops import round_tokens_int8
 
 # AWQ's GEMM layout stores the 8 values of an int32 in this column order (AutoAWQ's pack order)
@@ -537,10 +547,16 @@ class QuantLinear(_QuantLayer):
         elif cpu and qw.kind == "int" and qw.bits == 8 and qw.zero is None and qw.scale.shape[1] == 1:
             # int8 per row, weight-only or W8A8: the compiled kernel's int8 path, else torch's
             w8a8 = qw.activations == "int8-token"
-            kernel = None if "int8_gemm" in library_kernels() else PackedBytes.of(qw.q, qw.scale, None, dtype)
+            library = "int8_gemm" in library_kernels()
+            # W8A8 on AMX-INT8: int8 x int8 tile products, the rounding inside the kernel's call
+            tiles = None if library or not w8a8 else PackedInt8Tiles.of(qw.q, qw.scale, None, dtype)
+            kernel = None if library or tiles else PackedBytes.of(qw.q, qw.scale, None, dtype)
             self.int8: Callable[[torch.Tensor], torch.Tensor]
             self.round_tokens: Callable[[torch.Tensor], torch.Tensor]
-            if kernel is not None:  # W8A8's rounding in one compiled pass too
+            if tiles is not None:
+                self.int8, self.round_tokens = tiles, lambda x: x
+                self.path = "w8a8-amx"
+            elif kernel is not None:  # W8A8's rounding in one compiled pass too
                 self.int8, self.round_tokens = kernel, round_tokens_int8
                 self.path = "w8a8-kernel" if w8a8 else "int8-kernel"
             else:
@@ -568,6 +584,13 @@ class QuantLinear(_QuantLayer):
             self.path = "w8a8-reference"
 
     def _int4(self, qw: QWeight):
+        offset = 0 if qw.zero is not None else 8  # unsigned codes 0..15 (symmetric: around 8)
+        if "int4_gemm" not in library_kernels():  # bf16 on AMX: the codes widened to bf16 for the tiles
+            zero8 = qw.zero if qw.zero is not None else torch.full_like(qw.scale, 8.0)
+            tiles = PackedInt4Tiles.of(qw.q.to(torch.int16) + offset, qw.scale, zero8, qw.group, None, self.dtype)
+            if tiles is not None:
+                self.path = "int4-amx"
+                return tiles
         group = qw.group
         scale, zero = qw.scale, qw.zero if qw.zero is not None else torch.zeros_like(qw.scale)
         if group not in _INT4_GROUPS:  # one group per row (or a larger group): smaller groups, repeated scales
@@ -576,8 +599,7 @@ class QuantLinear(_QuantLayer):
                 return None
             scale, zero = scale.repeat_interleave(group // sub, 1), zero.repeat_interleave(group // sub, 1)
             group = sub
-        offset = 0 if qw.zero is not None else 8  # torch's layout: unsigned 0..15 around 8
-        zero = zero + offset
+        zero = zero + offset  # torch's layout: unsigned 0..15 around 8
         try:  # in blocks of rows (the packed layout is row by row): no int32 copy of the whole weight
             self.packed = torch.cat([
                 torch._convert_weight_to_int4pack_for_cpu((qw.q[r : r + 4096].int() + offset).contiguous(), 1)

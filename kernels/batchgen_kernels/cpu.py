@@ -46,7 +46,7 @@ WARNINGS = ["-Wall", "-Wextra", "-Werror"]  # what tests/kernels/test_variants.p
 _AVX2 = (["-mavx2", "-mfma", "-mf16c"], ["avx2", "fma", "f16c"])
 _AVX512 = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"], ["avx512f", "avx512bw", "avx512vl", "avx512dq"])
 _BF16 = (["-mavx512bf16"], ["avx512_bf16"])
-_AMX = (["-mamx-tile", "-mamx-bf16"], ["amx_tile", "amx_bf16"])
+_AMX = (["-mamx-tile", "-mamx-bf16", "-mamx-int8"], ["amx_tile", "amx_bf16", "amx_int8"])
 
 
 def _variant(*parts: tuple[list[str], list[str]]) -> tuple[list[str], list[str]]:
@@ -123,11 +123,16 @@ SIGNATURES = {
     "gemm_bf16_widened": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
     # w (FP8 or int8 bytes), n, k, out
     "gemm_pack_bytes": (_INT, [_P, _I, _I, _P]),
+    # int8 w, n, k, out (W8A8 on AMX-INT8 tiles; gemm_amx_int8: whether they run)
+    "gemm_pack_int8_tiles": (_INT, [_P, _I, _I, _P]),
+    "gemm_amx_int8": (_INT, []),
     # blocks, exponents, n, k, out, scales
     "gemm_pack_mxfp4": (_INT, [_P, _P, _I, _I, _P, _P]),
     # x, x row stride, m, k, packed w, n, scales (float32), bias (float32 or null), y, y row stride, threads
     **{f"gemm_{kind}_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT])
-       for kind in ("fp8", "int8", "mxfp4") for dtype in ("f32", "bf16")},
+       for kind in ("fp8", "int8", "mxfp4", "w8a8_amx") for dtype in ("f32", "bf16")},
+    # x, x row stride, m, k, int4 codes, n, scales, zero points, group, bias, y, y row stride, threads
+    "gemm_int4_amx_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _INT]),
     # the same with the scales' group (block-wise FP8) after the scales
     **{f"gemm_fp8_block_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _I, _INT]) for dtype in ("f32", "bf16")},
     "gemm_gated_f32": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _INT]),
@@ -152,6 +157,7 @@ LIBRARY_ALTERNATIVES = {
     "beam_topk": "log_softmax, then torch.topk",
     "token_mask": "xgrammar's apply_token_bitmask_inplace (structured outputs' mask)",
     "int8_gemm": "torch._weight_int8pack_mm, W8A8's activations rounded by torch (int8 and W8A8 checkpoints)",
+    "int4_gemm": "torch._weight_int4pack_mm_for_cpu (int4 checkpoints in bf16 on a CPU with AMX)",
 }
 
 

@@ -87,6 +87,12 @@ struct Fp4Pair {
   uint8_t codes;
 };
 
+// The packed int4 layout's element: one column's K pair of 4-bit codes (unsigned, the first in the
+// low nibble), with a scale and a zero point per column and group of inputs
+struct Int4Pair {
+  uint8_t codes;
+};
+
 // The packed block-wise FP8 layout's element: one E4M3 byte, as FP8's (uint8_t), with a scale per
 // column and group of inputs (each group's scale multiplies the widened weights before the FMAs)
 struct Fp8Block {
@@ -606,8 +612,8 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
 constexpr int64_t kAmxChunkRows = 256;
 
 template <typename O, bool Gated>
-inline void amx_epilogue(const float (*acc)[32], int64_t rows, int cols, const float* bias, O* y, int64_t ldy,
-                         int lastn) {
+inline void amx_epilogue(const float (*acc)[32], int64_t rows, int cols, const float* scale, const float* bias, O* y,
+                         int64_t ldy, int lastn) {
   for (int64_t r = 0; r < rows; ++r) {
     if constexpr (Gated) {
       batchgen::v16 g = batchgen::load16(acc[r]), u = batchgen::load16(acc[r] + 16);
@@ -619,6 +625,7 @@ inline void amx_epilogue(const float (*acc)[32], int64_t rows, int cols, const f
     } else {
       for (int c = 0; c < cols; ++c) {
         batchgen::v16 v = batchgen::load16(acc[r] + 16 * c);
+        if (scale) v *= batchgen::load16(scale + 16 * c);
         if (bias) v += batchgen::load16(bias + 16 * c);
         const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
         const int width = c == cols - 1 ? lastn : 16;
@@ -634,16 +641,61 @@ inline void amx_epilogue(const float (*acc)[32], int64_t rows, int cols, const f
   }
 }
 
-template <typename O, bool Gated>
-void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint32_t* wp, int64_t n,
-              const float* bias, O* y, int64_t ldy) {
+// 16 bytes of a packed column vector's input (int8, or FP8 as 2^-8 times its value) as float32
+inline __m512 widen_bytes(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 widen_bytes(const uint8_t* p) { return _mm512_cvtph_ps(fp8_as_half(p)); }
+
+// One column vector of bytes ([k][16]) as bf16 pairs ([k / 2][16], amx_part's B operand): exact,
+// an int8 value or an FP8 one times 2^-8 has at most 8 significant bits
+template <typename W>
+void bytes_as_pairs(const W* src, int64_t k, uint32_t* dst) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t i = 0; i < k / 2; ++i) {
+    const __m512i first = _mm512_castps_si512(widen_bytes(src + 32 * i));
+    const __m512i second = _mm512_castps_si512(widen_bytes(src + 32 * i + 16));
+    // first's high half into the low half, second's high half kept: (first >> 16) | (second & high)
+    _mm512_storeu_si512(dst + 16 * i, _mm512_ternarylogic_epi32(_mm512_srli_epi32(first, 16), second, high, 0xf8));
+  }
+}
+
+// One column vector of int4 codes ([k / 2][16] pairs) as bf16 pairs: (code - zero) * scale of the
+// input's group (``scales`` / ``zeros`` bf16 [k / group][16]) in float32, rounded to bf16 (nearest even)
+inline void int4_as_pairs(const Int4Pair* src, int64_t k, int64_t group, const uint16_t* scales,
+                          const uint16_t* zeros, uint32_t* dst) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  for (int64_t i = 0; i < k / 2; ++i) {
+    const int64_t g = 2 * i / group;
+    const __m512 sv = (__m512)batchgen::load16(scales + 16 * g), zv = (__m512)batchgen::load16(zeros + 16 * g);
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(codes, low)));
+    const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), low)));
+    const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(first, zv), sv)));
+    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(second, zv), sv)));
+    _mm512_storeu_si512(dst + 16 * i, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+  }
+}
+
+// W: uint32_t, bf16 pairs; bytes (int8, FP8) packed [N/16][K][16] with a scale per column
+// (``scale``, in the epilogue); or int4 pairs [N/16][K/2][16] with a scale and a zero point per
+// column and group of ``group`` inputs (``group_scales``, ``zeros``: bf16 [N/16][K/group][16]).
+// Quantized weights become bf16 pairs a pair of vectors at a time, once per chunk of rows.
+template <typename O, bool Gated, typename W = uint32_t>
+void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
+              const float* bias, O* y, int64_t ldy, const float* scale = nullptr,
+              const uint16_t* group_scales = nullptr, const uint16_t* zeros = nullptr, int64_t group = 0) {
+  constexpr bool int4 = std::is_same_v<W, Int4Pair>;
+  constexpr bool bytes = !std::is_same_v<W, uint32_t> && !int4;
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;
-  const int64_t vstride = k / 2 * 16;  // uint32 per vector
+  const int64_t vstride = bytes ? k * 16 : k / 2 * 16;  // W per vector
   const int64_t steps = k / 32;
   const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
   if (lo >= hi || m == 0) return;
-  thread_local std::vector<uint16_t> pad;  // a last block's rows, zero-padded to 32
+  std::vector<uint16_t> pad;  // a last block's rows, zero-padded to 32 (per call, as ``widened``)
+  // quantized weights: the pair's as bf16 pairs (per call: a model holds no scratch between calls)
+  std::unique_ptr<uint32_t[]> widened(bytes || int4 ? new uint32_t[k * 16] : nullptr);
   batchgen::configure_full_tiles();
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
@@ -657,11 +709,25 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
     }
     for (int64_t v = lo; v < hi; v += 2) {
       const int cols = hi - v >= 2 ? 2 : 1;
-      const uint32_t* w0 = wp + v * vstride;
-      const uint32_t* w1 = w0 + vstride;
+      const W* src = wp + v * vstride;
+      const uint32_t* w0;
+      if constexpr (bytes) {
+        for (int c = 0; c < cols; ++c) bytes_as_pairs(src + c * vstride, k, widened.get() + c * (k / 2) * 16);
+        w0 = widened.get();
+      } else if constexpr (int4) {
+        const int64_t per_vector = k / group * 16;
+        for (int c = 0; c < cols; ++c)
+          int4_as_pairs(src + c * vstride, k, group, group_scales + (v + c) * per_vector, zeros + (v + c) * per_vector,
+                        widened.get() + c * (k / 2) * 16);
+        w0 = widened.get();
+      } else {
+        w0 = src;
+      }
+      const uint32_t* w1 = w0 + k / 2 * 16;
       // the next pair's weights, prefetched into L2 during the first row block
-      const char* next = reinterpret_cast<const char*>(w0 + cols * vstride);
-      const int64_t next_lines = v + 2 < hi ? std::min<int64_t>(2, hi - v - 2) * vstride * 4 / 64 : 0;
+      const char* next = reinterpret_cast<const char*>(src + cols * vstride);
+      const int64_t next_lines =
+          v + 2 < hi ? std::min<int64_t>(2, hi - v - 2) * vstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
       const int64_t per_step = (next_lines + steps - 1) / steps;
       const int lastn = (v + cols == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
       for (int64_t mb = mc; mb < mend; mb += 32) {
@@ -700,8 +766,8 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
           _tile_stored(2, &acc[16][0], 128);
           _tile_stored(3, &acc[16][16], 128);
         }
-        amx_epilogue<O, Gated>(acc, rows, cols, bias ? bias + v * 16 : nullptr, y + mb * ldy + v / unit * 16, ldy,
-                               lastn);
+        amx_epilogue<O, Gated>(acc, rows, cols, bytes ? scale + v * 16 : nullptr, bias ? bias + v * 16 : nullptr,
+                               y + mb * ldy + v / unit * 16, ldy, lastn);
       }
     }
   }
@@ -710,6 +776,139 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
 
 // Whether a bf16 GEMM of inner size k runs on amx_part
 inline bool amx_gemm(int64_t k) { return k % 32 == 0 && batchgen::amx_permitted() && amx_enabled; }
+
+#endif
+
+#if defined(BATCHGEN_GEMM_AMX) && defined(__AMX_INT8__)
+#define BATCHGEN_GEMM_AMX_INT8 1
+
+// W8A8 on AMX-INT8 tiles. Each row of x is rounded to int8 on its own grid (s = max|x| / 127,
+// q = x / s to the nearest, clamped: round_tokens_int8's values), the int8 x int8 products are
+// summed exactly in int32 (_tile_dpbssd), and the epilogue scales each sum by its row's s and its
+// column's scale. The packed weight is the tiles' B operand: a column vector's inputs in quads,
+// [ceil(n/16)][kp/4][16][4] bytes (kp: k rounded up to 64, zeros past k), so 64 inputs of one
+// vector are one 16 x 64-byte tile, 1 KiB contiguous. Blocks, prefetch and row chunks are
+// amx_part's (32 rows x 2 vectors, four int32 products); per 64 inputs, four loads and four tile
+// products, twice the inputs of a bf16 step in half the weight bytes. The rounded rows live in one
+// buffer of kp bytes a row, zero rows up to a whole block, so partial blocks need no copy.
+constexpr int64_t kInt8Depth = 64;
+
+inline int64_t int8_depth(int64_t k) { return (k + kInt8Depth - 1) / kInt8Depth * kInt8Depth; }
+
+// x's row (k values) rounded to int8 into q (kp bytes, zeros past k); returns its scale
+template <typename T>
+float round_row_int8(const T* x, int64_t k, int64_t kp, int8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps((__m512)batchgen::load16(x + i)));
+  float a = _mm512_reduce_max_ps(amax);
+  for (; i < k; ++i) a = std::max(a, std::fabs(batchgen::load(x + i)));
+  const float s = std::max(a, 1e-8f) / 127.0f;
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+  for (i = 0; i + 16 <= k; i += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps((__m512)batchgen::load16(x + i), vs),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(v));
+  }
+  for (; i < k; ++i)
+    q[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(batchgen::load(x + i) / s), -128.0f), 127.0f));
+  std::memset(q + k, 0, static_cast<size_t>(kp - k));
+  return s;
+}
+
+template <typename O>
+void amx_int8_part(int t, int nt, const int8_t* q, int64_t kp, int64_t m, const float* sx, const int8_t* wp,
+                   int64_t n, const float* scale, const float* bias, O* y, int64_t ldy) {
+  const int64_t vectors = (n + 15) / 16;
+  const int64_t vstride = kp * 16;  // bytes per vector
+  const int64_t steps = kp / kInt8Depth;
+  const int64_t lo = vectors * t / nt, hi = vectors * (t + 1) / nt;
+  if (lo >= hi || m == 0) return;
+  batchgen::configure_full_tiles();
+  alignas(64) int32_t acc[32][32];
+  for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
+    const int64_t mend = std::min(m, mc + kAmxChunkRows);
+    for (int64_t v = lo; v < hi; v += 2) {
+      const int cols = hi - v >= 2 ? 2 : 1;
+      const int8_t* w0 = wp + v * vstride;
+      const int8_t* w1 = w0 + vstride;
+      // the next pair's weights, prefetched into L2 during the first row block
+      const char* next = reinterpret_cast<const char*>(w0 + cols * vstride);
+      const int64_t next_lines = v + 2 < hi ? std::min<int64_t>(2, hi - v - 2) * vstride / 64 : 0;
+      const int64_t per_step = (next_lines + steps - 1) / steps;
+      const int lastn = (v + cols == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
+      for (int64_t mb = mc; mb < mend; mb += 32) {
+        const int64_t rows = std::min<int64_t>(32, mend - mb);
+        const int8_t* a = q + mb * kp;
+        const bool two = rows > 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; ++s) {
+          if (mb == mc && per_step)
+            for (int64_t i = s * per_step; i < std::min(next_lines, (s + 1) * per_step); ++i)
+              _mm_prefetch(next + 64 * i, _MM_HINT_T1);
+          _tile_loadd(4, a + kInt8Depth * s, kp);
+          _tile_loadd(6, w0 + 1024 * s, 64);
+          _tile_dpbssd(0, 4, 6);
+          if (cols == 2) {
+            _tile_loadd(7, w1 + 1024 * s, 64);
+            _tile_dpbssd(1, 4, 7);
+          }
+          if (two) {
+            _tile_loadd(5, a + 16 * kp + kInt8Depth * s, kp);
+            _tile_dpbssd(2, 5, 6);
+            if (cols == 2) _tile_dpbssd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, &acc[0][0], 128);
+        _tile_stored(1, &acc[0][16], 128);
+        if (two) {
+          _tile_stored(2, &acc[16][0], 128);
+          _tile_stored(3, &acc[16][16], 128);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 sr = _mm512_set1_ps(sx[mb + r]);
+          for (int c = 0; c < cols; ++c) {
+            const int64_t col = (v + c) * 16;
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc[r] + 16 * c)), sr);
+            f = _mm512_mul_ps(f, _mm512_loadu_ps(scale + col));
+            if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias + col));
+            const __mmask16 mask = lanes(c == cols - 1 ? lastn : 16);
+            O* out = y + (mb + r) * ldy + col;
+            if constexpr (std::is_same_v<O, float>)
+              _mm512_mask_storeu_ps(out, mask, f);
+            else
+              _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(f));
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y [m, n] = W8A8 of x [m, k] (T) and the tile-packed weight; rounds x's rows, then the tiles
+template <typename T>
+void w8a8_amx(const T* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n, const float* scale,
+              const float* bias, T* y, int64_t ldy, int threads) {
+  BG_EXPECT(x && wp && scale && y && m >= 0 && k > 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
+  const int64_t kp = int8_depth(k), padded = (m + 31) / 32 * 32;
+  std::unique_ptr<int8_t[]> q(new int8_t[padded * kp]);  // the rounded rows
+  std::unique_ptr<float[]> sx(new float[std::max<int64_t>(m, 1)]);
+  std::memset(q.get() + m * kp, 0, static_cast<size_t>((padded - m) * kp));
+  int8_t* qd = q.get();
+  float* sd = sx.get();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t r = m * t / nt; r < m * (t + 1) / nt; ++r) sd[r] = round_row_int8(x + r * ldx, k, kp, qd + r * kp);
+#pragma omp barrier
+    amx_int8_part<T>(t, nt, qd, kp, m, sd, wp, n, scale, bias, y, ldy);
+  }
+}
 
 #endif
 
@@ -784,6 +983,9 @@ void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, con
 #ifdef BATCHGEN_GEMM_AMX
   if constexpr (std::is_same_v<W, uint32_t>)
     if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
+  // int8 and FP8 weights with bf16 activations: widened to bf16 pairs, then the same tiles
+  if constexpr ((std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) && std::is_same_v<T, uint16_t> && !Gated)
+    if (amx_gemm(k)) return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale);
 #endif
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
@@ -1049,6 +1251,79 @@ int gemm_bf16_widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, cons
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// Whether W8A8 runs on AMX-INT8 tiles here (compiled in, and Linux grants the tiles).
+int gemm_amx_int8() {
+#ifdef BATCHGEN_GEMM_AMX_INT8
+  return batchgen::amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// int8 W [n, k] into the tiles' layout, [ceil(n/16)][kp/4][16][4] (kp: k rounded up to 64; zeros
+// past n and k).
+int gemm_pack_int8_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
+  const int64_t vectors = (n + 15) / 16, quads = (k + 63) / 64 * 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < vectors; ++v)
+    for (int64_t i = 0; i < quads; ++i)
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t b = 0; b < 4; ++b) {
+          const int64_t col = v * 16 + j, in = 4 * i + b;
+          out[((v * quads + i) * 16 + j) * 4 + b] = col < n && in < k ? w[col * k + in] : 0;
+        }
+  return 0;
+}
+
+// W8A8: y [m, n] = (round_tokens_int8(x) @ W^T) * scale + bias, the rounded rows and the weight
+// multiplied as int8 on AMX tiles, W packed by gemm_pack_int8_tiles; scale and bias float32 per
+// column, padded to whole vectors. 1 where the library has no such kernel or the tiles are refused.
+int gemm_w8a8_amx_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                      const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_AMX_INT8
+  if (!batchgen::amx_permitted()) return 1;
+  w8a8_amx<float>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+int gemm_w8a8_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                       const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_AMX_INT8
+  if (!batchgen::amx_permitted()) return 1;
+  w8a8_amx<uint16_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
+// int4 weight-only in bf16 on AMX tiles: y [m, n] = x @ W^T + bias with W's codes [ceil(n/16)][k/2][16]
+// (a byte: two unsigned codes, the first in the low nibble), scales and zero points bf16
+// [ceil(n/16)][k/group][16], each weight (code - zero) * scale rounded to bf16. 1 where the tiles do
+// not run (not compiled in, refused or turned off; k not a multiple of 32; group odd or not
+// dividing k).
+int gemm_int4_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                       const uint16_t* scales, const uint16_t* zeros, int64_t group, const float* bias, uint16_t* y,
+                       int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_AMX
+  if (!amx_gemm(k) || group <= 0 || group % 2 || k % group) return 1;
+  BG_EXPECT(x && wp && scales && zeros && y && m >= 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
+  const Int4Pair* w = reinterpret_cast<const Int4Pair*>(wp);
+#pragma omp parallel num_threads(threads_for<false>(n, threads))
+  amx_part<uint16_t, false, Int4Pair>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, w, n, bias, y, ldy,
+                                      nullptr, scales, zeros, group);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)zeros, (void)group, (void)bias;
+  (void)y, (void)ldy, (void)threads;
   return 1;
 #endif
 }

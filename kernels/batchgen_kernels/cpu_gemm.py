@@ -129,10 +129,13 @@ class _Widened:
     ``x @ weight.T + bias`` in that dtype, the weight widened in registers."""
 
     def __init__(self, kernel: str, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype, group: int | None = None):
-        """``group``: the inputs per scale, for the kernels that take it (block-wise FP8)."""
+                 bias: torch.Tensor | None, dtype: torch.dtype, group: int | None = None,
+                 zeros: torch.Tensor | None = None):
+        """``group``: the inputs per scale, for the kernels that take it (block-wise FP8, int4);
+        ``zeros``: int4's zero points, in the scales' layout."""
         self.kernel, self.packed, self.scale, self.n, self.k, self.dtype = kernel, packed, scale, n, k, dtype
-        self._group = () if group is None else (group,)
+        self.zeros = zeros
+        self._group = (() if zeros is None else (zeros.data_ptr(),)) + (() if group is None else (group,))
         self.bias = None if bias is None else _padded(bias, n)
         self._gemm = getattr(load(), f"{kernel}_" + DTYPE_SUFFIX[dtype])
         self._bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
@@ -192,6 +195,66 @@ class PackedBytes(_Widened):
         # FP8's widening gives 2^-8 times each weight: the epilogue's factor takes it back
         columns = _padded(scale.float() * (256.0 if kind == "fp8" else 1.0), n)
         return cls(f"gemm_{kind}", packed, columns, n, k, bias, dtype)
+
+
+class PackedInt8Tiles(_Widened):
+    """W8A8 on AMX-INT8 tiles: an int8 weight [n, k] with a float32 scale per output column (or
+    one for all); calling it on ``x`` [m, k] rounds each row of ``x`` to int8 on its own grid
+    (``cpu_ops.round_tokens_int8``'s values), multiplies the int8 values exactly (int32 sums) and
+    scales each sum by its row's and column's scales: ``round_tokens_int8(x) @ (weight * scale).T +
+    bias``, in ``x``'s dtype."""
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> PackedInt8Tiles | None:
+        """The packed weight, or None where the kernel does not run it (no compiled library, a CPU
+        without AMX-INT8 or a process Linux refuses the tiles; a weight not int8; ``dtype`` other
+        than float32 / bfloat16)."""
+        if weight.dtype != torch.int8 or weight.dim() != 2 or dtype not in DTYPE_SUFFIX or not amx_int8():
+            return None
+        n, k = weight.shape
+        if n == 0 or k == 0 or scale.numel() not in (1, n):
+            return None
+        packed = torch.empty((n + 15) // 16 * ((k + 63) // 64 * 64) * 16, dtype=torch.int8)
+        load().gemm_pack_int8_tiles(weight.contiguous().data_ptr(), n, k, packed.data_ptr())
+        return cls("gemm_w8a8_amx", packed, _padded(scale.float(), n), n, k, bias, dtype)
+
+
+class PackedInt4Tiles(_Widened):
+    """int4 weight-only in bfloat16 on AMX tiles: unsigned 4-bit codes [n, k] with a scale and a
+    zero point per output column and group of ``group`` inputs, both kept in bf16 (as torch's int4
+    GEMM keeps them); each weight ``(code - zero) * scale`` is rounded to bf16 inside the call (a
+    pair of column vectors at a time, as a bf16 model's weights are rounded), then multiplied on
+    the bf16 tiles: ``x @ w.T + bias``."""
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+           bias: torch.Tensor | None, dtype: torch.dtype) -> PackedInt4Tiles | None:
+        """``codes`` [n, k] (0-15, any integer dtype), ``scale`` and ``zero`` [n, k / group]. None
+        where the kernel does not run it: no AMX tiles here (``amx()``), ``dtype`` not bfloat16, k
+        not a multiple of 32, ``group`` odd or not dividing k."""
+        if dtype != torch.bfloat16 or codes.dim() != 2 or not amx():
+            return None
+        n, k = codes.shape
+        if n == 0 or k % 32 or group <= 0 or group % 2 or k % group or scale.shape != (n, k // group):
+            return None
+        vectors = (n + 15) // 16
+        u = torch.zeros(vectors * 16, k, dtype=torch.uint8)
+        u[:n] = codes.to(torch.uint8)
+        pairs = (u[:, 0::2] | (u[:, 1::2] << 4)).view(vectors, 16, k // 2).transpose(1, 2).contiguous()
+
+        def per_group(values: torch.Tensor) -> torch.Tensor:  # [n, groups] -> bf16 [vectors][groups][16]
+            out = torch.zeros(vectors * 16, k // group, dtype=torch.bfloat16)
+            out[:n] = values
+            return out.view(vectors, 16, k // group).transpose(1, 2).contiguous()
+
+        return cls("gemm_int4_amx", pairs.view(-1), per_group(scale), n, k, bias, dtype, group, per_group(zero))
+
+
+def amx_int8() -> bool:
+    """Whether W8A8 runs on AMX-INT8 tiles (``PackedInt8Tiles``): the tiles compiled in (the ``amx``
+    variant) and granted to the process by Linux."""
+    return available() and bool(load().gemm_amx_int8())
 
 
 class PackedFP8Blocks(_Widened):

@@ -12,7 +12,7 @@ from batchgen import LLM, SamplingParams, utils
 from batchgen.config import EngineConfig
 from batchgen.model.linear import Linear, backends_for
 from batchgen.model.malloc import keep_freed_memory
-from batchgen_kernels import cpu, cpu_gemm
+from batchgen_kernels import cpu, cpu_gemm, cpu_ops
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 # oneDNN's bf16 GEMM needs AVX-512 (or AMX / AVX2-VNNI-2); elsewhere a bf16 layer falls back to F.linear
@@ -425,15 +425,16 @@ def byte_weight(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / int8 GEMM kernel on this CPU")
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
 @pytest.mark.parametrize("n", [5, 16, 88])
-def test_byte_kernel_equals_the_widened_weight(kind, dtype, rows, n):
+@pytest.mark.parametrize("k", [48, 96])
+def test_byte_kernel_equals_the_widened_weight(kind, dtype, bf16_path, rows, n, k):
     """FP8 and int8 weights widened in registers (``byte_weight``'s values) against the float64
     product of the widened weight and its per-column or per-tensor scale; column tails short of a
-    vector, row remainders of the register block, a strided input."""
-    gen = torch.Generator().manual_seed(rows * 100 + n)
-    k = 48
+    vector, row remainders of the register block, a strided input. In bf16 on a CPU with AMX, k 96
+    takes the tiles (the bytes widened to bf16 pairs), k 48 the dot instruction."""
+    gen = torch.Generator().manual_seed(rows * 100 + n + k)
     w = byte_weight(kind, n, k, gen)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
@@ -445,6 +446,75 @@ def test_byte_kernel_equals_the_widened_weight(kind, dtype, rows, n):
         if n % 2:
             want = want + bias.double()
         assert_close_to_float64(got, want, rows, n, dtype)
+
+
+@pytest.mark.skipif(not cpu_gemm.amx_int8(), reason="no AMX-INT8 tiles here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k", "n"), [(0, 64, 16), (1, 64, 16), (3, 100, 40), (17, 576, 88), (33, 1536, 5),
+                                              (300, 128, 50)])
+def test_w8a8_tiles_equal_the_int8_products(dtype, rows, k, n):
+    """W8A8 on AMX-INT8 tiles: each row rounded to its int8 grid (as ``round_tokens_int8`` rounds
+    it), times every int8 weight value, summed exactly and scaled, against float64; inputs short of
+    a 64-wide tile (k 100), column tails, row blocks past one chunk of 256, a strided input, a zero
+    row (its scale clamped) and a row whose largest magnitude is negative."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    w = byte_weight("int8", n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]
+    if rows > 2:
+        x[1] = 0
+        x[2, 0] = -x[2].abs().max() * 2
+    for scale, b in ((torch.rand(n, generator=gen) * 0.01 + 1e-3, bias), (torch.tensor([0.02]), None)):
+        packed = cpu_gemm.PackedInt8Tiles.of(w, scale, b, dtype)
+        assert packed is not None
+        got = packed(x)
+        s = x.float().abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+        q = torch.round(x.float() / s).clamp(-128, 127)
+        assert torch.equal((q * s).to(dtype), cpu_ops.round_tokens_int8(x.contiguous()))  # the same grid
+        want = (q.double() @ w.double().T) * s.double() * scale.double().reshape(1, -1)
+        if b is not None:
+            want = want + b.double()
+        assert_close_to_float64(got, want, rows, n, dtype)
+
+
+@pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")
+@pytest.mark.parametrize(("rows", "k", "n", "group"), [(0, 64, 16, 32), (1, 64, 16, 64), (5, 96, 40, 32),
+                                                       (33, 256, 88, 128), (300, 128, 5, 128)])
+def test_int4_tiles_equal_the_weight_rounded_to_bf16(rows, k, n, group):
+    """int4 weight-only on the bf16 tiles: every code 0-15, a scale and a zero point per column and
+    group (each group's different; scales kept in bf16), against float64 on the dequantized weight
+    rounded to bf16 (the kernel's rounding of a weight); column tails, row blocks past one chunk of
+    256, a strided input."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    codes.view(-1)[:16] = torch.arange(16)[: codes.numel()]
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]
+    packed = cpu_gemm.PackedInt4Tiles.of(codes, scale, zero, group, bias, torch.bfloat16)
+    assert packed is not None
+    scale16 = scale.to(torch.bfloat16).float()  # kept in bf16
+    w = ((codes.float() - zero.repeat_interleave(group, 1)) * scale16.repeat_interleave(group, 1)).to(torch.bfloat16)
+    want = x.double() @ w.double().T + bias.double()
+    assert_close_to_float64(packed(x), want, rows, n, torch.bfloat16)
+    cpu_gemm.amx(False)  # the tiles turned off: the call says so
+    try:
+        if rows:
+            with pytest.raises(cpu_gemm.KernelArgumentError, match="gemm_int4_amx"):
+                packed(x)
+    finally:
+        cpu_gemm.amx(True)
+
+
+@pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")
+def test_int4_tiles_refuse_what_they_cannot_take():
+    codes, scale, zero = torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
+    assert cpu_gemm.PackedInt4Tiles.of(codes, scale, zero, 32, None, torch.bfloat16) is not None
+    assert cpu_gemm.PackedInt4Tiles.of(codes, scale, zero, 32, None, torch.float32) is None  # bf16 only
+    assert cpu_gemm.PackedInt4Tiles.of(codes[:, :48], scale, zero, 24, None, torch.bfloat16) is None  # k % 32
+    assert cpu_gemm.PackedInt4Tiles.of(codes, scale[:, :1], zero, 32, None, torch.bfloat16) is None  # scales
+    assert cpu_gemm.PackedInt4Tiles.of(codes, torch.ones(16, 3), torch.ones(16, 3), 21, None, torch.bfloat16) is None
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")

@@ -24,7 +24,7 @@ from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.model import quant
 from batchgen.tiny import make_model
 from batchgen.tiny_quant import quantize_model
-from batchgen_kernels.cpu_gemm import PackedBytes, amx
+from batchgen_kernels.cpu_gemm import PackedBytes, amx, amx_int8
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [3, 4, 40, 50], [7, 100, 200, 17]]
@@ -301,7 +301,18 @@ def byte_kernel_runs() -> bool:
 # the formats the compiled GEMM kernel runs (where it builds: AVX2 with FMA and F16C, or AVX-512)
 KERNEL_PATHS = {"ct-fp8-tensor": "fp8-weight", "ct-fp8-per-row": "fp8-weight", "ct-fp8-block": "fp8-block-weight",
                 "fp8-block": "fp8-block-weight", "fp8-block-ue8m0": "fp8-block-weight", "fp8-tensor": "fp8-weight", "ct-int8-per-row": "int8-kernel",
-                "ct-w8a8": "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
+                "ct-w8a8": "w8a8-amx" if amx_int8() else "w8a8-kernel", "gptq-8bit-per-row": "int8-kernel"}
+
+
+@pytest.mark.skipif(not amx_int8(), reason="no AMX-INT8 tiles here: W8A8 takes the widening path anyway")
+def test_w8a8_without_its_tiles_rounds_then_widens(llama_src, tmp_path, monkeypatch):
+    """On a CPU with AMX-INT8, the W8A8 path of every other CPU (a rounding pass, then the int8
+    weights widened in the GEMM's registers) still equals the oracle."""
+    monkeypatch.setattr(quant.PackedInt8Tiles, "of", classmethod(lambda cls, *args: None))
+    path, oracle, tol = build(llama_src, tmp_path, "ct-w8a8")
+    stats: dict = {}
+    assert failures(path, oracle, tol, beams=False, stats=stats) == []
+    assert stats["quantized_paths"] == "dense x 1, w8a8-kernel x 8"
 
 
 @pytest.mark.parametrize("case", ["ct-fp8-tensor", "ct-fp8-per-row"])
