@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from functools import cache
@@ -22,7 +23,11 @@ def cdiv(a: IntOrArray, b: int) -> IntOrArray:
 @cache
 def has_amx() -> bool:
     """Whether this CPU runs AMX tile instructions (Intel Sapphire Rapids and later), which torch's
-    oneDNN GEMMs and its CPU flash-attention kernel use for bfloat16."""
+    oneDNN GEMMs and its CPU flash-attention kernel use for bfloat16; False where
+    ``ONEDNN_MAX_CPU_ISA`` keeps oneDNN below AMX (a CPU without it, emulated)."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if isa != "ALL" and "AMX" not in isa:
+        return False
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
 

@@ -4,7 +4,7 @@ the log-softmax and top-k its library branch runs), ``BATCHGEN_LIBRARY_KERNELS``
 in scripts/kernel_ablation.py:
 
     python scripts/kernel_calls.py [--model models/bench-56m] [--rows 128] [--beams 64] [--rounds 7]
-                                   [--step-ms S_MS B_MS]
+                                   [--step-ms S_MS B_MS] [--dtype float32|bfloat16]
 
 Whole workloads on a 2-core machine vary by 5-8% between runs, more than most single kernels weigh
 in a step; call by call, a path's time varies far less than the two paths differ. Each round times
@@ -60,21 +60,26 @@ def timed(fn, calls: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
-def cases(cfg, rows: int, beams: int) -> list[tuple[str, str, str, int, object]]:
-    """(kernel, workload, shape, calls per decode step, the engine's call)."""
+def cases(cfg, rows: int, beams: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, str, str, int, object]]:
+    """(kernel, workload, shape, calls per decode step, the engine's call); activations and caches
+    in ``dtype``, logits in float32 (the LM head widens them)."""
     hidden, layers_n, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     heads, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or hidden // heads
     g = torch.Generator().manual_seed(0)
-    x, res, w = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
-    q, k = torch.randn(rows, heads, hd, generator=g), torch.randn(rows, kvh, hd, generator=g)
-    cos, sin = torch.randn(rows, hd, generator=g), torch.randn(rows, hd, generator=g)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, res, w = randn(rows, hidden), randn(rows, hidden), randn(hidden)
+    q, k = randn(rows, heads, hd), randn(rows, kvh, hd)
+    cos, sin = randn(rows, hd), randn(rows, hd)
     blocks, bs = 4096, 16
-    k_cache, v_cache = torch.zeros(kvh, blocks, bs, hd), torch.zeros(kvh, blocks, bs, hd)
+    k_cache, v_cache = torch.zeros(kvh, blocks, bs, hd, dtype=dtype), torch.zeros(kvh, blocks, bs, hd, dtype=dtype)
     slots = torch.randperm(blocks * bs, generator=g)[:rows]
-    gate_up = torch.randn(rows, 2 * cfg.intermediate_size, generator=g)
+    gate_up = randn(rows, 2 * cfg.intermediate_size)
     # the whole pool's copy-on-write: B copies about 17 blocks a step (its stats' cow_copies / steps)
-    pool = torch.zeros(layers_n, 2, kvh, 1024, bs, hd)
+    pool = torch.zeros(layers_n, 2, kvh, 1024, bs, hd, dtype=dtype)
     src, dst = list(range(17)), list(range(512, 529))
     logits = torch.randn(rows, hidden, generator=g) @ (torch.randn(vocab, hidden, generator=g) * 0.02).T
     params = SamplingParams(temperature=0.8, top_p=0.95)
@@ -111,6 +116,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--step-ms", type=float, nargs=2, default=[0.0, 0.0], metavar=("S", "B"))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     if args.beams % 4 or not 0 < args.beams <= args.rows:
         ap.error(f"--beams {args.beams}: a multiple of the beam width 4, at most --rows ({args.rows})")
@@ -122,7 +128,7 @@ def main() -> None:
         make_bench_model(args.model)
     torch.set_num_threads(args.threads)
     cpu.load()
-    todo = cases(AutoConfig.from_pretrained(args.model), args.rows, args.beams)
+    todo = cases(AutoConfig.from_pretrained(args.model), args.rows, args.beams, getattr(torch, args.dtype))
     times: dict[int, dict[str, list[float]]] = {i: {"compiled": [], "library": []} for i in range(len(todo))}
     for r in range(args.rounds):
         for i, (name, *_, fn) in enumerate(todo):
@@ -131,7 +137,7 @@ def main() -> None:
                 times[i][side].append(timed(fn))
     on_library(None)
     step = dict(zip("SB", args.step_ms, strict=True))
-    print(f"\nvariant {cpu.variant}, {args.threads} threads, medians of {args.rounds} rounds")
+    print(f"\nvariant {cpu.variant}, {args.dtype}, {args.threads} threads, medians of {args.rounds} rounds")
     print("| kernel | call (workload) | calls / step | compiled us | library us | saved ms / step | share of step |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for i, (name, workload, shape, calls, _) in enumerate(todo):

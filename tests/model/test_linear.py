@@ -532,13 +532,14 @@ def test_fp8_kernel_refuses_what_it_cannot_take():
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
 @pytest.mark.parametrize("n,group", [(5, 16), (16, 48), (88, 32), (33, 96)])
-def test_fp8_block_kernel_equals_the_widened_weight(dtype, rows, n, group):
+def test_fp8_block_kernel_equals_the_widened_weight(dtype, bf16_path, rows, n, group):
     """Block-wise FP8: every E4M3 code but NaN, a scale per column and group of inputs (2^-12 to
     2^4, each group's different) multiplying the widened weights, against the float64 product;
-    one group or several, column tails, register-block row remainders, a strided input."""
+    one group or several, column tails, register-block row remainders, a strided input. On AMX
+    tiles (bf16) each scaled weight is rounded to bf16 first, and the product is taken on those."""
     gen = torch.Generator().manual_seed(rows * 100 + n)
     k = 96
     w = byte_weight("fp8", n, k, gen)
@@ -548,7 +549,10 @@ def test_fp8_block_kernel_equals_the_widened_weight(dtype, rows, n, group):
     x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]  # a strided view
     packed = cpu_gemm.PackedFP8Blocks.of(w, scale, group, bias, dtype)
     assert packed is not None and packed.kernel == "gemm_fp8_block"
-    want = x.double() @ (w.double() * scale.double().repeat_interleave(group, dim=1)).T
+    weight = w.double() * scale.double().repeat_interleave(group, dim=1)
+    if bf16_path:
+        weight = weight.to(torch.bfloat16).double()
+    want = x.double() @ weight.T
     if bias is not None:
         want = want + bias.double()
     got = packed(x)
