@@ -293,6 +293,16 @@ def test_bfloat16_layers_on_amx_cpus_take_the_faster_gemm(monkeypatch, cpu_amx, 
     assert Linear(torch.randn(32, k), backends=["cpu", "onednn", "torch"]).backend == "cpu"  # float32
 
 
+@pytest.mark.skipif(not utils.has_amx(), reason="no AMX here")
+@pytest.mark.parametrize(("isa", "amx"), [("AVX512_CORE_BF16", False), ("AVX512_CORE", False), ("AVX2", False),
+                                          ("AVX512_CORE_AMX", True), ("ALL", True)])
+def test_capping_onednn_below_amx_makes_the_engine_choose_as_without_it(monkeypatch, isa, amx):
+    """``ONEDNN_MAX_CPU_ISA`` below AMX: oneDNN runs without tiles, and the engine's choices that
+    count on them (``has_amx``) follow, so that a forced variant stands in for a CPU without AMX."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert utils.has_amx() is amx
+
+
 @needs_kernel(torch.bfloat16)
 @pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")
 def test_bfloat16_prefill_chunks_on_amx_tiles_go_through_f_linear(monkeypatch):
