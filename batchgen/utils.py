@@ -24,7 +24,7 @@ def cdiv(a: IntOrArray, b: int) -> IntOrArray:
 def has_amx() -> bool:
     """Whether this CPU runs AMX tile instructions (Intel Sapphire Rapids and later), which torch's
     oneDNN GEMMs and its CPU flash-attention kernel use for bfloat16; False where
-    ``ONEDNN_MAX_CPU_ISA`` keeps oneDNN below AMX (a CPU without it, emulated)."""
+    ``ONEDNN_MAX_CPU_ISA`` keeps oneDNN below AMX (a CPU without it, emulated). Read once per process."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     if isa != "ALL" and "AMX" not in isa:
         return False

@@ -300,7 +300,12 @@ def test_capping_onednn_below_amx_makes_the_engine_choose_as_without_it(monkeypa
     """``ONEDNN_MAX_CPU_ISA`` below AMX: oneDNN runs without tiles, and the engine's choices that
     count on them (``has_amx``) follow, so that a forced variant stands in for a CPU without AMX."""
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    assert utils.has_amx() is amx
+    utils.has_amx.cache_clear()  # read once per process
+    try:
+        assert utils.has_amx() is amx
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        utils.has_amx.cache_clear()
 
 
 @needs_kernel(torch.bfloat16)
