@@ -52,8 +52,8 @@
 // scale, stored times 2^14, multiplies the widened vector before the FMAs.
 //
 // On AMX (amx_part below) bf16 runs on tiles, and so do the quantized weights with bf16
-// activations whose scales allow it: int8 and FP8 with a scale per column (widened exactly to bf16
-// pairs), block-wise FP8 and int4 (packed like MXFP4, with a bf16 scale and zero point per column
+// activations: int8, FP8 with a scale per column and MXFP4 (widened exactly to bf16 pairs),
+// block-wise FP8 and int4 (packed like MXFP4, with a bf16 scale and zero point per column
 // and group) with each weight scaled and rounded to bf16, a pair of column vectors at a time into
 // a scratch buffer, then the bf16 loop. W8A8 on AMX-INT8 multiplies int8 by int8 (w8a8_amx).
 
@@ -697,18 +697,36 @@ inline void fp8_blocks_as_pairs(const Fp8Block* src, int64_t k, int64_t group, c
   }
 }
 
+// One column vector of MXFP4 pairs ([k / 2][16]) as bf16 pairs: each code's value times its
+// group's power-of-two scale (``scales`` float32 [k / 32][16], times 2^14), exact in bf16
+inline void mxfp4_as_pairs(const Fp4Pair* src, int64_t k, const float* scales, uint32_t* dst) {
+  const __m128i table = fp4_half_table();
+  for (int64_t i = 0; i < k / 2; ++i) {
+    const __m512 sv = _mm512_loadu_ps(scales + i / 16 * 16);
+    __m128i first, second;
+    fp4_high_bytes(src + 16 * i, table, first, second);
+    const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(first), 8)), sv);
+    const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(second), 8)), sv);
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+    _mm512_storeu_si512(dst + 16 * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
 // W: uint32_t, bf16 pairs; bytes (int8, FP8) packed [N/16][K][16] with a scale per column
 // (``scale``, in the epilogue); block-wise FP8, bytes with a scale per column and group of
-// ``group`` inputs (``scale``: float32 [N/16][K/group][16]); or int4 pairs [N/16][K/2][16] with a
-// scale and a zero point per column and group (``group_scales``, ``zeros``: bf16, the same layout).
-// Quantized weights become bf16 pairs a pair of vectors at a time, once per chunk of rows.
+// ``group`` inputs (``scale``: float32 [N/16][K/group][16]); MXFP4 pairs with its scales
+// (``scale``, gemm_pack_mxfp4's); or int4 pairs [N/16][K/2][16] with a scale and a zero point per
+// column and group (``group_scales``, ``zeros``: bf16, the same layout). Quantized weights become
+// bf16 pairs a pair of vectors at a time, once per chunk of rows.
 template <typename O, bool Gated, typename W = uint32_t>
 void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
               const float* bias, O* y, int64_t ldy, const float* scale = nullptr,
               const uint16_t* group_scales = nullptr, const uint16_t* zeros = nullptr, int64_t group = 0) {
   constexpr bool int4 = std::is_same_v<W, Int4Pair>;
   constexpr bool blocks = std::is_same_v<W, Fp8Block>;
-  constexpr bool bytes = !std::is_same_v<W, uint32_t> && !int4 && !blocks;
+  constexpr bool mxfp4 = std::is_same_v<W, Fp4Pair>;
+  constexpr bool bytes = !std::is_same_v<W, uint32_t> && !int4 && !blocks && !mxfp4;
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;
   const int64_t vstride = bytes || blocks ? k * 16 : k / 2 * 16;  // W per vector
@@ -717,7 +735,7 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
   if (lo >= hi || m == 0) return;
   std::vector<uint16_t> pad;  // a last block's rows, zero-padded to 32 (per call, as ``widened``)
   // quantized weights: the pair's as bf16 pairs (per call: a model holds no scratch between calls)
-  std::unique_ptr<uint32_t[]> widened(bytes || int4 || blocks ? new uint32_t[k * 16] : nullptr);
+  std::unique_ptr<uint32_t[]> widened(bytes || int4 || blocks || mxfp4 ? new uint32_t[k * 16] : nullptr);
   batchgen::configure_full_tiles();
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
@@ -740,6 +758,10 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
         for (int c = 0; c < cols; ++c)
           fp8_blocks_as_pairs(src + c * vstride, k, group, scale + (v + c) * (k / group * 16),
                               widened.get() + c * (k / 2) * 16);
+        w0 = widened.get();
+      } else if constexpr (mxfp4) {
+        for (int c = 0; c < cols; ++c)
+          mxfp4_as_pairs(src + c * vstride, k, scale + (v + c) * (k / 32 * 16), widened.get() + c * (k / 2) * 16);
         w0 = widened.get();
       } else if constexpr (int4) {
         const int64_t per_vector = k / group * 16;
@@ -1012,6 +1034,9 @@ void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, con
     if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
   // int8 and FP8 weights with bf16 activations: widened to bf16 pairs, then the same tiles
   if constexpr ((std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) && std::is_same_v<T, uint16_t> && !Gated)
+    if (amx_gemm(k)) return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale);
+  // MXFP4 in bf16: each code times its group's scale (exact in bf16), then the tiles
+  if constexpr (std::is_same_v<W, Fp4Pair> && std::is_same_v<T, uint16_t> && !Gated)
     if (amx_gemm(k)) return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale);
   // block-wise FP8 in bf16: each weight times its block's scale, rounded to bf16, then the tiles
   if constexpr (std::is_same_v<W, Fp8Block> && std::is_same_v<T, uint16_t> && !Gated)

@@ -588,13 +588,14 @@ def test_fp8_block_kernel_refuses_what_it_cannot_take():
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 / MXFP4 GEMM kernel on this CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "bf16_path"), DTYPE_PATHS, indirect=["bf16_path"])
 @pytest.mark.parametrize("rows", [0, 1, 4, 7, 64])
 @pytest.mark.parametrize("n", [5, 16, 88])
-def test_mxfp4_kernel_equals_the_widened_weight(dtype, rows, n):
-    """MXFP4 weights widened in registers: all 16 E2M1 codes in both nibbles, group scales from
-    2^-20 to 2^10 (biased exponents 107-137) and the extremes the kernel takes (0 and 240), against
-    the float64 product of ``mxfp4.dequantize``'s weight."""
+def test_mxfp4_kernel_equals_the_widened_weight(dtype, bf16_path, rows, n):
+    """MXFP4 weights widened in registers (in bf16 on AMX, to bf16 pairs for the tiles: exact): all
+    16 E2M1 codes in both nibbles, group scales from 2^-20 to 2^10 (biased exponents 107-137) and
+    the extremes the kernel takes (0 and 240), against the float64 product of
+    ``mxfp4.dequantize``'s weight."""
     from batchgen.model import mxfp4
 
     gen = torch.Generator().manual_seed(rows * 100 + n)
