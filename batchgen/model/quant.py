@@ -584,10 +584,11 @@ class QuantLinear(_QuantLayer):
             self.path = "w8a8-reference"
 
     def _int4(self, qw: QWeight):
-        offset = 0 if qw.zero is not None else 8  # unsigned codes 0..15 (symmetric: around 8)
         if "int4_gemm" not in library_kernels():  # bf16 on AMX: the codes widened to bf16 for the tiles
+            # signed codes (no zero point) are stored minus 8: counted from 0-15, their zero is 8
+            codes = qw.q.to(torch.int8) if qw.zero is None else qw.q.to(torch.uint8)
             zero8 = qw.zero if qw.zero is not None else torch.full_like(qw.scale, 8.0)
-            tiles = PackedInt4Tiles.of(qw.q.to(torch.int16) + offset, qw.scale, zero8, qw.group, None, self.dtype)
+            tiles = PackedInt4Tiles.of(codes, qw.scale, zero8, qw.group, None, self.dtype)
             if tiles is not None:
                 self.path = "int4-amx"
                 return tiles
@@ -599,7 +600,8 @@ class QuantLinear(_QuantLayer):
                 return None
             scale, zero = scale.repeat_interleave(group // sub, 1), zero.repeat_interleave(group // sub, 1)
             group = sub
-        zero = zero + offset  # torch's layout: unsigned 0..15 around 8
+        offset = 0 if qw.zero is not None else 8  # torch's layout: unsigned 0..15 around 8
+        zero = zero + offset
         try:  # in blocks of rows (the packed layout is row by row): no int32 copy of the whole weight
             self.packed = torch.cat([
                 torch._convert_weight_to_int4pack_for_cpu((qw.q[r : r + 4096].int() + offset).contiguous(), 1)

@@ -131,6 +131,8 @@ SIGNATURES = {
     # x, x row stride, m, k, packed w, n, scales (float32), bias (float32 or null), y, y row stride, threads
     **{f"gemm_{kind}_{dtype}": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _INT])
        for kind in ("fp8", "int8", "mxfp4", "w8a8_amx") for dtype in ("f32", "bf16")},
+    # int4 codes (bytes), n, k, offset (0: unsigned codes, 8: signed), out
+    "gemm_pack_int4": (_INT, [_P, _I, _I, _INT, _P]),
     # x, x row stride, m, k, int4 codes, n, scales, zero points, group, bias, y, y row stride, threads
     "gemm_int4_amx_bf16": (_INT, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _INT]),
     # the same with the scales' group (block-wise FP8) after the scales

@@ -596,6 +596,18 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
 #endif
 #endif
 
+// amx_part's scratch per thread, in uint32: the widened pair of vectors (k * 16), then a last
+// block's rows zero-padded to 32 (32 * k bf16). Allocated by the thread that opens the parallel
+// region: what a worker thread allocates comes from its own malloc arena, whose pages partly stay
+// resident after the call (a loaded model's probes would keep them).
+inline int64_t amx_scratch(int64_t k) { return 32 * k; }
+
+// Whether amx_part needs its scratch for m rows (quantized weights always; bf16 for a partial last block)
+template <typename W>
+bool amx_needs_scratch(int64_t m) {
+  return !std::is_same_v<W, uint32_t> || (m % 32 != 0 && m % 32 != 16);
+}
+
 #if defined(BATCHGEN_AMX) && defined(BATCHGEN_GEMM_BF16) && defined(BATCHGEN_GEMM_AVX512)
 #define BATCHGEN_GEMM_AMX 1
 
@@ -718,11 +730,13 @@ inline void mxfp4_as_pairs(const Fp4Pair* src, int64_t k, const float* scales, u
 // ``group`` inputs (``scale``: float32 [N/16][K/group][16]); MXFP4 pairs with its scales
 // (``scale``, gemm_pack_mxfp4's); or int4 pairs [N/16][K/2][16] with a scale and a zero point per
 // column and group (``group_scales``, ``zeros``: bf16, the same layout). Quantized weights become
-// bf16 pairs a pair of vectors at a time, once per chunk of rows.
+// bf16 pairs a pair of vectors at a time, once per chunk of rows. ``scratch``: this thread's
+// amx_scratch(k), where amx_needs_scratch; null: allocated here.
 template <typename O, bool Gated, typename W = uint32_t>
 void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
               const float* bias, O* y, int64_t ldy, const float* scale = nullptr,
-              const uint16_t* group_scales = nullptr, const uint16_t* zeros = nullptr, int64_t group = 0) {
+              const uint16_t* group_scales = nullptr, const uint16_t* zeros = nullptr, int64_t group = 0,
+              uint32_t* scratch = nullptr) {
   constexpr bool int4 = std::is_same_v<W, Int4Pair>;
   constexpr bool blocks = std::is_same_v<W, Fp8Block>;
   constexpr bool mxfp4 = std::is_same_v<W, Fp4Pair>;
@@ -733,9 +747,13 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
   const int64_t steps = k / 32;
   const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
   if (lo >= hi || m == 0) return;
-  std::vector<uint16_t> pad;  // a last block's rows, zero-padded to 32 (per call, as ``widened``)
-  // quantized weights: the pair's as bf16 pairs (per call: a model holds no scratch between calls)
-  std::unique_ptr<uint32_t[]> widened(bytes || int4 || blocks || mxfp4 ? new uint32_t[k * 16] : nullptr);
+  std::unique_ptr<uint32_t[]> own;
+  if (!scratch && amx_needs_scratch<W>(m)) {
+    own.reset(new uint32_t[amx_scratch(k)]);
+    scratch = own.get();
+  }
+  uint32_t* const widened = scratch;  // quantized weights: the pair's as bf16 pairs
+  uint16_t* const pad = reinterpret_cast<uint16_t*>(scratch + 16 * k);  // a last block's rows, zero-padded
   batchgen::configure_full_tiles();
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
@@ -743,32 +761,31 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
     // the chunk's last block, where it is partial (not 16 rows), zero-padded once for every pair
     const int64_t tail = (mend - mc) % 32, tail_row = mend - tail;
     if (tail && tail != 16) {
-      pad.assign(static_cast<size_t>(32 * k), 0);
-      for (int64_t r = 0; r < tail; ++r)
-        std::memcpy(pad.data() + r * k, x + (tail_row + r) * ldx, k * sizeof(uint16_t));
+      std::memset(pad, 0, static_cast<size_t>(32 * k) * sizeof(uint16_t));
+      for (int64_t r = 0; r < tail; ++r) std::memcpy(pad + r * k, x + (tail_row + r) * ldx, k * sizeof(uint16_t));
     }
     for (int64_t v = lo; v < hi; v += 2) {
       const int cols = hi - v >= 2 ? 2 : 1;
       const W* src = wp + v * vstride;
       const uint32_t* w0;
       if constexpr (bytes) {
-        for (int c = 0; c < cols; ++c) bytes_as_pairs(src + c * vstride, k, widened.get() + c * (k / 2) * 16);
-        w0 = widened.get();
+        for (int c = 0; c < cols; ++c) bytes_as_pairs(src + c * vstride, k, widened + c * (k / 2) * 16);
+        w0 = widened;
       } else if constexpr (blocks) {
         for (int c = 0; c < cols; ++c)
           fp8_blocks_as_pairs(src + c * vstride, k, group, scale + (v + c) * (k / group * 16),
-                              widened.get() + c * (k / 2) * 16);
-        w0 = widened.get();
+                              widened + c * (k / 2) * 16);
+        w0 = widened;
       } else if constexpr (mxfp4) {
         for (int c = 0; c < cols; ++c)
-          mxfp4_as_pairs(src + c * vstride, k, scale + (v + c) * (k / 32 * 16), widened.get() + c * (k / 2) * 16);
-        w0 = widened.get();
+          mxfp4_as_pairs(src + c * vstride, k, scale + (v + c) * (k / 32 * 16), widened + c * (k / 2) * 16);
+        w0 = widened;
       } else if constexpr (int4) {
         const int64_t per_vector = k / group * 16;
         for (int c = 0; c < cols; ++c)
           int4_as_pairs(src + c * vstride, k, group, group_scales + (v + c) * per_vector, zeros + (v + c) * per_vector,
-                        widened.get() + c * (k / 2) * 16);
-        w0 = widened.get();
+                        widened + c * (k / 2) * 16);
+        w0 = widened;
       } else {
         w0 = src;
       }
@@ -784,7 +801,7 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
         const uint16_t* a = x + mb * ldx;
         int64_t lda = ldx;
         if (rows < 32 && rows != 16) {
-          a = pad.data();
+          a = pad;
           lda = k;
         }
         const bool two = rows > 16;
@@ -1024,24 +1041,36 @@ void column_panel(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, in
   }
 }
 
+// Whether gemm_part runs W on amx_part (bf16 activations, k a multiple of 32, the tiles permitted)
+template <typename T, typename W, bool Gated>
+bool on_amx(int64_t k, int64_t group) {
+#ifdef BATCHGEN_GEMM_AMX
+  if constexpr (std::is_same_v<W, uint32_t>) return amx_gemm(k);
+  if constexpr (std::is_same_v<T, uint16_t> && !Gated && !std::is_same_v<W, float>)
+    return amx_gemm(k) && (!std::is_same_v<W, Fp8Block> || group % 2 == 0);
+#endif
+  (void)k, (void)group;
+  return false;
+}
+
 // Thread t of nt's share of one GEMM: a contiguous range of column vectors (of gate / up pairs
 // where Gated: n a multiple of 32, y [m, n / 2]). Called inside a parallel region.
 template <typename T, typename W, typename O, bool Gated = false>
 void gemm_part(int t, int nt, const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
-               const float* bias, O* y, int64_t ldy, const float* scale = nullptr, int64_t group = 0) {
+               const float* bias, O* y, int64_t ldy, const float* scale = nullptr, int64_t group = 0,
+               uint32_t* scratch = nullptr) {
 #ifdef BATCHGEN_GEMM_AMX
-  if constexpr (std::is_same_v<W, uint32_t>)
-    if (amx_gemm(k)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy);
-  // int8 and FP8 weights with bf16 activations: widened to bf16 pairs, then the same tiles
-  if constexpr ((std::is_same_v<W, int8_t> || std::is_same_v<W, uint8_t>) && std::is_same_v<T, uint16_t> && !Gated)
-    if (amx_gemm(k)) return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale);
-  // MXFP4 in bf16: each code times its group's scale (exact in bf16), then the tiles
-  if constexpr (std::is_same_v<W, Fp4Pair> && std::is_same_v<T, uint16_t> && !Gated)
-    if (amx_gemm(k)) return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale);
-  // block-wise FP8 in bf16: each weight times its block's scale, rounded to bf16, then the tiles
-  if constexpr (std::is_same_v<W, Fp8Block> && std::is_same_v<T, uint16_t> && !Gated)
-    if (amx_gemm(k) && group % 2 == 0)
-      return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale, nullptr, nullptr, group);
+  // bf16 on the tiles; int8, FP8 and MXFP4 (exact) and block-wise FP8 (each weight times its
+  // block's scale, rounded) with bf16 activations widened to bf16 pairs, then the same tiles
+  if constexpr (std::is_same_v<W, uint32_t>) {
+    if (on_amx<T, W, Gated>(k, group)) return amx_part<O, Gated>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy,
+                                                                  nullptr, nullptr, nullptr, 0, scratch);
+  } else if constexpr (std::is_same_v<T, uint16_t> && !Gated && !std::is_same_v<W, float>) {
+    if (on_amx<T, W, Gated>(k, group))
+      return amx_part<O, false, W>(t, nt, x, ldx, m, k, wp, n, bias, y, ldy, scale, nullptr, nullptr, group, scratch);
+  }
+#else
+  (void)scratch;
 #endif
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;  // vectors that stay together
@@ -1095,9 +1124,18 @@ void gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const W* wp, int64_t n,
   BG_EXPECT((std::is_same_v<W, uint8_t> || std::is_same_v<W, int8_t> || std::is_same_v<W, Fp4Pair> ||
              std::is_same_v<W, Fp8Block>) == (scale != nullptr));
   BG_EXPECT((!std::is_same_v<W, Fp8Block> || (group > 0 && k % group == 0)));
-#pragma omp parallel num_threads(threads_for<Gated>(n, threads))
-  gemm_part<T, W, O, Gated>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy, scale,
-                            group);
+  const int nt = threads_for<Gated>(n, threads);
+  std::unique_ptr<uint32_t[]> scratch;  // amx_part's, one share per thread, from this thread's arena
+#ifdef BATCHGEN_GEMM_AMX
+  if (on_amx<T, W, Gated>(k, group) && amx_needs_scratch<W>(m)) scratch.reset(new uint32_t[nt * amx_scratch(k)]);
+#endif
+  uint32_t* const shares = scratch.get();
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    gemm_part<T, W, O, Gated>(t, omp_get_num_threads(), x, ldx, m, k, wp, n, bias, y, ldy, scale, group,
+                              shares ? shares + t * amx_scratch(k) : nullptr);
+  }
 }
 
 // A mixture-of-experts layer's experts (SwiGLU, gate_up packed gated) in one parallel region: the
@@ -1361,6 +1399,26 @@ int gemm_w8a8_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
 #endif
 }
 
+// int4 codes [n, k] (bytes: unsigned 0-15 where ``offset`` is 0, signed -8..7 where it is 8) into
+// [ceil(n/16)][k/2][16] bytes, each a column's K pair of code + offset (the first in the low nibble);
+// columns past n zero. 1 for an odd k.
+int gemm_pack_int4(const uint8_t* q, int64_t n, int64_t k, int offset, uint8_t* out) {
+  if (k % 2) return 1;
+  const int64_t vectors = (n + 15) / 16, pairs = k / 2;
+  auto code = [&](int64_t col, int64_t in) {
+    const int value = offset ? static_cast<int>(static_cast<int8_t>(q[col * k + in])) : q[col * k + in];
+    return static_cast<uint8_t>((value + offset) & 15);
+  };
+#pragma omp parallel for schedule(static)
+  for (int64_t v = 0; v < vectors; ++v)
+    for (int64_t i = 0; i < pairs; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t col = v * 16 + j;
+        out[(v * pairs + i) * 16 + j] = col < n ? static_cast<uint8_t>(code(col, 2 * i) | code(col, 2 * i + 1) << 4) : 0;
+      }
+  return 0;
+}
+
 // int4 weight-only in bf16 on AMX tiles: y [m, n] = x @ W^T + bias with W's codes [ceil(n/16)][k/2][16]
 // (a byte: two unsigned codes, the first in the low nibble), scales and zero points bf16
 // [ceil(n/16)][k/group][16], each weight (code - zero) * scale rounded to bf16. 1 where the tiles do
@@ -1373,9 +1431,14 @@ int gemm_int4_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
   if (!amx_gemm(k) || group <= 0 || group % 2 || k % group) return 1;
   BG_EXPECT(x && wp && scales && zeros && y && m >= 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
   const Int4Pair* w = reinterpret_cast<const Int4Pair*>(wp);
-#pragma omp parallel num_threads(threads_for<false>(n, threads))
-  amx_part<uint16_t, false, Int4Pair>(omp_get_thread_num(), omp_get_num_threads(), x, ldx, m, k, w, n, bias, y, ldy,
-                                      nullptr, scales, zeros, group);
+  const int nt = threads_for<false>(n, threads);
+  std::unique_ptr<uint32_t[]> scratch(new uint32_t[nt * amx_scratch(k)]);  // from this thread's arena
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    amx_part<uint16_t, false, Int4Pair>(t, omp_get_num_threads(), x, ldx, m, k, w, n, bias, y, ldy, nullptr, scales,
+                                        zeros, group, scratch.get() + t * amx_scratch(k));
+  }
   return 0;
 #else
   (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scales, (void)zeros, (void)group, (void)bias;

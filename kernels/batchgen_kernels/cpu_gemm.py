@@ -230,25 +230,26 @@ class PackedInt4Tiles(_Widened):
     @classmethod
     def of(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
            bias: torch.Tensor | None, dtype: torch.dtype) -> PackedInt4Tiles | None:
-        """``codes`` [n, k] (0-15, any integer dtype), ``scale`` and ``zero`` [n, k / group]. None
-        where the kernel does not run it: no AMX tiles here (``amx()``), ``dtype`` not bfloat16, k
-        not a multiple of 32, ``group`` odd or not dividing k."""
-        if dtype != torch.bfloat16 or codes.dim() != 2 or not amx():
+        """``codes`` [n, k]: uint8 0-15, or int8 -8..7 (stored as code - 8: ``zero`` then counts
+        from 0-15 all the same); ``scale`` and ``zero`` [n, k / group]. None where the kernel does
+        not run it: no AMX tiles here (``amx()``), ``dtype`` not bfloat16, k not a multiple of 32,
+        ``group`` odd or not dividing k."""
+        if dtype != torch.bfloat16 or codes.dim() != 2 or codes.dtype not in (torch.uint8, torch.int8) or not amx():
             return None
         n, k = codes.shape
         if n == 0 or k % 32 or group <= 0 or group % 2 or k % group or scale.shape != (n, k // group):
             return None
         vectors = (n + 15) // 16
-        u = torch.zeros(vectors * 16, k, dtype=torch.uint8)
-        u[:n] = codes.to(torch.uint8)
-        pairs = (u[:, 0::2] | (u[:, 1::2] << 4)).view(vectors, 16, k // 2).transpose(1, 2).contiguous()
+        pairs = torch.empty(vectors * 16 * (k // 2), dtype=torch.uint8)  # packed in place: no copies of the codes
+        offset = 8 if codes.dtype == torch.int8 else 0
+        load().gemm_pack_int4(codes.contiguous().view(torch.uint8).data_ptr(), n, k, offset, pairs.data_ptr())
 
         def per_group(values: torch.Tensor) -> torch.Tensor:  # [n, groups] -> bf16 [vectors][groups][16]
             out = torch.zeros(vectors * 16, k // group, dtype=torch.bfloat16)
             out[:n] = values
             return out.view(vectors, 16, k // group).transpose(1, 2).contiguous()
 
-        return cls("gemm_int4_amx", pairs.view(-1), per_group(scale), n, k, bias, dtype, group, per_group(zero))
+        return cls("gemm_int4_amx", pairs, per_group(scale), n, k, bias, dtype, group, per_group(zero))
 
 
 def amx_int8() -> bool:

@@ -501,8 +501,8 @@ def test_int4_tiles_equal_the_weight_rounded_to_bf16(rows, k, n, group):
     rounded to bf16 (the kernel's rounding of a weight); column tails, row blocks past one chunk of
     256, a strided input."""
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    codes.view(-1)[:16] = torch.arange(16)[: codes.numel()]
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    codes.view(-1)[:16] = torch.arange(16, dtype=torch.uint8)[: codes.numel()]
     scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
     zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
     bias = torch.randn(n, generator=gen)
@@ -513,6 +513,9 @@ def test_int4_tiles_equal_the_weight_rounded_to_bf16(rows, k, n, group):
     w = ((codes.float() - zero.repeat_interleave(group, 1)) * scale16.repeat_interleave(group, 1)).to(torch.bfloat16)
     want = x.double() @ w.double().T + bias.double()
     assert_close_to_float64(packed(x), want, rows, n, torch.bfloat16)
+    signed = cpu_gemm.PackedInt4Tiles.of((codes.to(torch.int16) - 8).to(torch.int8), scale, zero, group, bias,
+                                         torch.bfloat16)  # symmetric checkpoints' codes, stored minus 8
+    assert signed is not None and torch.equal(signed(x), packed(x))
     cpu_gemm.amx(False)  # the tiles turned off: the call says so
     try:
         if rows:
@@ -530,6 +533,7 @@ def test_int4_tiles_refuse_what_they_cannot_take():
     assert cpu_gemm.PackedInt4Tiles.of(codes[:, :48], scale, zero, 24, None, torch.bfloat16) is None  # k % 32
     assert cpu_gemm.PackedInt4Tiles.of(codes, scale[:, :1], zero, 32, None, torch.bfloat16) is None  # scales
     assert cpu_gemm.PackedInt4Tiles.of(codes, torch.ones(16, 3), torch.ones(16, 3), 21, None, torch.bfloat16) is None
+    assert cpu_gemm.PackedInt4Tiles.of(codes.int(), scale, zero, 32, None, torch.bfloat16) is None  # bytes only
 
 
 @pytest.mark.skipif(not fp8_kernel_runs(), reason="no compiled FP8 GEMM kernel on this CPU")
