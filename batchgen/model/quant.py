@@ -587,8 +587,7 @@ class QuantLinear(_QuantLayer):
         if "int4_gemm" not in library_kernels():  # bf16 on AMX: the codes widened to bf16 for the tiles
             # signed codes (no zero point) are stored minus 8: counted from 0-15, their zero is 8
             codes = qw.q.to(torch.int8) if qw.zero is None else qw.q.to(torch.uint8)
-            zero8 = qw.zero if qw.zero is not None else torch.full_like(qw.scale, 8.0)
-            tiles = PackedInt4Tiles.of(codes, qw.scale, zero8, qw.group, None, self.dtype)
+            tiles = PackedInt4Tiles.of(codes, qw.scale, qw.zero, qw.group, None, self.dtype)
             if tiles is not None:
                 self.path = "int4-amx"
                 return tiles

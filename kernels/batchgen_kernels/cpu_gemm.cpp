@@ -679,13 +679,15 @@ void bytes_as_pairs(const W* src, int64_t k, uint32_t* dst) {
 }
 
 // One column vector of int4 codes ([k / 2][16] pairs) as bf16 pairs: (code - zero) * scale of the
-// input's group (``scales`` / ``zeros`` bf16 [k / group][16]) in float32, rounded to bf16 (nearest even)
+// input's group (``scales`` / ``zeros`` bf16 [k / group][16]; no zeros: 8 for every code, a symmetric
+// checkpoint's) in float32, rounded to bf16 (nearest even)
 inline void int4_as_pairs(const Int4Pair* src, int64_t k, int64_t group, const uint16_t* scales,
                           const uint16_t* zeros, uint32_t* dst) {
   const __m128i low = _mm_set1_epi8(0x0f);
   for (int64_t i = 0; i < k / 2; ++i) {
     const int64_t g = 2 * i / group;
-    const __m512 sv = (__m512)batchgen::load16(scales + 16 * g), zv = (__m512)batchgen::load16(zeros + 16 * g);
+    const __m512 sv = (__m512)batchgen::load16(scales + 16 * g);
+    const __m512 zv = zeros ? (__m512)batchgen::load16(zeros + 16 * g) : _mm512_set1_ps(8.0f);
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
     const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(codes, low)));
     const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), low)));
@@ -783,7 +785,8 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
       } else if constexpr (int4) {
         const int64_t per_vector = k / group * 16;
         for (int c = 0; c < cols; ++c)
-          int4_as_pairs(src + c * vstride, k, group, group_scales + (v + c) * per_vector, zeros + (v + c) * per_vector,
+          int4_as_pairs(src + c * vstride, k, group, group_scales + (v + c) * per_vector,
+                        zeros ? zeros + (v + c) * per_vector : nullptr,
                         widened + c * (k / 2) * 16);
         w0 = widened;
       } else {
@@ -1421,7 +1424,7 @@ int gemm_pack_int4(const uint8_t* q, int64_t n, int64_t k, int offset, uint8_t* 
 
 // int4 weight-only in bf16 on AMX tiles: y [m, n] = x @ W^T + bias with W's codes [ceil(n/16)][k/2][16]
 // (a byte: two unsigned codes, the first in the low nibble), scales and zero points bf16
-// [ceil(n/16)][k/group][16], each weight (code - zero) * scale rounded to bf16. 1 where the tiles do
+// [ceil(n/16)][k/group][16] (zero points null: 8 for all), each weight (code - zero) * scale rounded to bf16. 1 where the tiles do
 // not run (not compiled in, refused or turned off; k not a multiple of 32; group odd or not
 // dividing k).
 int gemm_int4_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
@@ -1429,7 +1432,7 @@ int gemm_int4_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
                        int64_t ldy, int threads) {
 #ifdef BATCHGEN_GEMM_AMX
   if (!amx_gemm(k) || group <= 0 || group % 2 || k % group) return 1;
-  BG_EXPECT(x && wp && scales && zeros && y && m >= 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
+  BG_EXPECT(x && wp && scales && y && m >= 0 && n > 0 && (ldx >= k || m <= 1) && threads > 0);
   const Int4Pair* w = reinterpret_cast<const Int4Pair*>(wp);
   const int nt = threads_for<false>(n, threads);
   std::unique_ptr<uint32_t[]> scratch(new uint32_t[nt * amx_scratch(k)]);  // from this thread's arena

@@ -130,12 +130,14 @@ class _Widened:
 
     def __init__(self, kernel: str, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int,
                  bias: torch.Tensor | None, dtype: torch.dtype, group: int | None = None,
-                 zeros: torch.Tensor | None = None):
+                 zeros: torch.Tensor | None = None, with_zeros: bool = False):
         """``group``: the inputs per scale, for the kernels that take it (block-wise FP8, int4);
-        ``zeros``: int4's zero points, in the scales' layout."""
+        ``zeros``: int4's zero points, in the scales' layout (``with_zeros``: the kernel takes
+        them, or null for none, after the scales)."""
         self.kernel, self.packed, self.scale, self.n, self.k, self.dtype = kernel, packed, scale, n, k, dtype
         self.zeros = zeros
-        self._group = (() if zeros is None else (zeros.data_ptr(),)) + (() if group is None else (group,))
+        self._group = ((zeros.data_ptr() if zeros is not None else 0,) if with_zeros else ()) + (
+            () if group is None else (group,))
         self.bias = None if bias is None else _padded(bias, n)
         self._gemm = getattr(load(), f"{kernel}_" + DTYPE_SUFFIX[dtype])
         self._bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
@@ -228,11 +230,12 @@ class PackedInt4Tiles(_Widened):
     the bf16 tiles: ``x @ w.T + bias``."""
 
     @classmethod
-    def of(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+    def of(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
            bias: torch.Tensor | None, dtype: torch.dtype) -> PackedInt4Tiles | None:
         """``codes`` [n, k]: uint8 0-15, or int8 -8..7 (stored as code - 8: ``zero`` then counts
-        from 0-15 all the same); ``scale`` and ``zero`` [n, k / group]. None where the kernel does
-        not run it: no AMX tiles here (``amx()``), ``dtype`` not bfloat16, k not a multiple of 32,
+        from 0-15 all the same); ``scale`` and ``zero`` [n, k / group] (``zero`` None: 8 for every
+        group, a symmetric checkpoint's, and nothing stored). None where the kernel does not run
+        it: no AMX tiles here (``amx()``), ``dtype`` not bfloat16, k not a multiple of 32,
         ``group`` odd or not dividing k."""
         if dtype != torch.bfloat16 or codes.dim() != 2 or codes.dtype not in (torch.uint8, torch.int8) or not amx():
             return None
@@ -249,7 +252,8 @@ class PackedInt4Tiles(_Widened):
             out[:n] = values
             return out.view(vectors, 16, k // group).transpose(1, 2).contiguous()
 
-        return cls("gemm_int4_amx", pairs, per_group(scale), n, k, bias, dtype, group, per_group(zero))
+        return cls("gemm_int4_amx", pairs, per_group(scale), n, k, bias, dtype, group,
+                   None if zero is None else per_group(zero), with_zeros=True)
 
 
 def amx_int8() -> bool:

@@ -516,6 +516,10 @@ def test_int4_tiles_equal_the_weight_rounded_to_bf16(rows, k, n, group):
     signed = cpu_gemm.PackedInt4Tiles.of((codes.to(torch.int16) - 8).to(torch.int8), scale, zero, group, bias,
                                          torch.bfloat16)  # symmetric checkpoints' codes, stored minus 8
     assert signed is not None and torch.equal(signed(x), packed(x))
+    eights = cpu_gemm.PackedInt4Tiles.of(codes, scale, torch.full_like(zero, 8.0), group, bias, torch.bfloat16)
+    no_zeros = cpu_gemm.PackedInt4Tiles.of(codes, scale, None, group, bias, torch.bfloat16)  # symmetric: none kept
+    assert eights is not None and no_zeros is not None and no_zeros.zeros is None
+    assert torch.equal(no_zeros(x), eights(x))
     cpu_gemm.amx(False)  # the tiles turned off: the call says so
     try:
         if rows:
