@@ -553,8 +553,8 @@ class QuantLinear(_QuantLayer):
             kernel = None if library or tiles else PackedBytes.of(qw.q, qw.scale, None, dtype)
             self.int8: Callable[[torch.Tensor], torch.Tensor]
             self.round_tokens: Callable[[torch.Tensor], torch.Tensor]
-            if tiles is not None:
-                self.int8, self.round_tokens = tiles, lambda x: x
+            if tiles is not None:  # rounds the activations itself
+                self.int8 = tiles
                 self.path = "w8a8-amx"
             elif kernel is not None:  # W8A8's rounding in one compiled pass too
                 self.int8, self.round_tokens = kernel, round_tokens_int8
@@ -564,7 +564,7 @@ class QuantLinear(_QuantLayer):
                 self.int8 = lambda x: torch._weight_int8pack_mm(x, q8, s8)
                 self.round_tokens = lambda x: fake_quantize_tokens(x.float()).to(x.dtype)
                 self.path = "w8a8-int8pack" if w8a8 else "int8-weight"
-            self._fast = self._w8a8 if w8a8 else self.int8
+            self._fast = self._w8a8 if w8a8 and tiles is None else self.int8
         elif cpu and qw.kind == "fp8" and qw.scale.shape[1] > 1:  # block-wise: a scale per row and group
             if (blocks := PackedFP8Blocks.of(qw.q, qw.scale, qw.group, None, dtype)) is not None:
                 self.path, self._fast = "fp8-block-weight", blocks

@@ -678,6 +678,14 @@ void bytes_as_pairs(const W* src, int64_t k, uint32_t* dst) {
   }
 }
 
+// Two float32 vectors (a column vector's two inputs of a K pair) as 16 bf16 pairs, each rounded to
+// nearest even, the first in the low half
+inline __m512i bf16_pairs(__m512 first, __m512 second) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
 // One column vector of int4 codes ([k / 2][16] pairs) as bf16 pairs: (code - zero) * scale of the
 // input's group (``scales`` / ``zeros`` bf16 [k / group][16]; no zeros: 8 for every code, a symmetric
 // checkpoint's) in float32, rounded to bf16 (nearest even)
@@ -691,9 +699,8 @@ inline void int4_as_pairs(const Int4Pair* src, int64_t k, int64_t group, const u
     const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
     const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(codes, low)));
     const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), low)));
-    const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(first, zv), sv)));
-    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(second, zv), sv)));
-    _mm512_storeu_si512(dst + 16 * i, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    _mm512_storeu_si512(dst + 16 * i, bf16_pairs(_mm512_mul_ps(_mm512_sub_ps(first, zv), sv),
+                                                 _mm512_mul_ps(_mm512_sub_ps(second, zv), sv)));
   }
 }
 
@@ -703,11 +710,8 @@ inline void fp8_blocks_as_pairs(const Fp8Block* src, int64_t k, int64_t group, c
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
   for (int64_t i = 0; i < k / 2; ++i) {
     const __m512 sv = _mm512_loadu_ps(scales + 16 * (2 * i / group));
-    const __m512 first = _mm512_mul_ps(widen_bytes(bytes + 32 * i), sv);
-    const __m512 second = _mm512_mul_ps(widen_bytes(bytes + 32 * i + 16), sv);
-    const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
-    const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second));
-    _mm512_storeu_si512(dst + 16 * i, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    _mm512_storeu_si512(dst + 16 * i, bf16_pairs(_mm512_mul_ps(widen_bytes(bytes + 32 * i), sv),
+                                                 _mm512_mul_ps(widen_bytes(bytes + 32 * i + 16), sv)));
   }
 }
 
@@ -721,9 +725,7 @@ inline void mxfp4_as_pairs(const Fp4Pair* src, int64_t k, const float* scales, u
     fp4_high_bytes(src + 16 * i, table, first, second);
     const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(first), 8)), sv);
     const __m512 b = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(second), 8)), sv);
-    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
-    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
-    _mm512_storeu_si512(dst + 16 * i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_storeu_si512(dst + 16 * i, bf16_pairs(a, b));
   }
 }
 
@@ -1229,6 +1231,20 @@ int quant_gemm(const T* x, int64_t ldx, int64_t m, int64_t k, const void* wp, in
 #endif
 }
 
+// The W8A8 entry points (gemm_w8a8_amx_*): 1 where the library has no such kernel or the tiles are refused
+template <typename T>
+int w8a8_entry(const T* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n, const float* scale,
+               const float* bias, T* y, int64_t ldy, int threads) {
+#ifdef BATCHGEN_GEMM_AMX_INT8
+  if (!batchgen::amx_permitted()) return 1;
+  w8a8_amx<T>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
+  return 1;
+#endif
+}
+
 // W [n, k] (row-major) into [ceil(n/16)][k][16]: each vector of 16 columns K-major, columns past n zero
 template <typename E>
 [[maybe_unused]] void pack_columns(const E* w, int64_t n, int64_t k, E* out) {
@@ -1381,25 +1397,11 @@ int gemm_pack_int8_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
 // column, padded to whole vectors. 1 where the library has no such kernel or the tiles are refused.
 int gemm_w8a8_amx_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
                       const float* scale, const float* bias, float* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_AMX_INT8
-  if (!batchgen::amx_permitted()) return 1;
-  w8a8_amx<float>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
+  return w8a8_entry<float>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
 }
 int gemm_w8a8_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const int8_t* wp, int64_t n,
                        const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
-#ifdef BATCHGEN_GEMM_AMX_INT8
-  if (!batchgen::amx_permitted()) return 1;
-  w8a8_amx<uint16_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
-  return 0;
-#else
-  (void)x, (void)ldx, (void)m, (void)k, (void)wp, (void)n, (void)scale, (void)bias, (void)y, (void)ldy, (void)threads;
-  return 1;
-#endif
+  return w8a8_entry<uint16_t>(x, ldx, m, k, wp, n, scale, bias, y, ldy, threads);
 }
 
 // int4 codes [n, k] (bytes: unsigned 0-15 where ``offset`` is 0, signed -8..7 where it is 8) into
