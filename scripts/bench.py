@@ -340,15 +340,18 @@ QUANT_FORMATS = {
 def weight_bytes(llm) -> int:
     """Bytes of every CPU tensor alive but the KV pools: the model's weights (and packed copies)."""
     import gc
+    import warnings
 
     runner = llm.engine.runner
     pools = {t.untyped_storage().data_ptr() for t in (runner.kv_cache, runner.host_cache) if t is not None}
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-            st = obj.untyped_storage()
-            if st.data_ptr() not in pools:
-                storages[st.data_ptr()] = st.nbytes()
+    with warnings.catch_warnings():  # isinstance on a deprecated alias among the objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                st = obj.untyped_storage()
+                if st.data_ptr() not in pools:
+                    storages[st.data_ptr()] = st.nbytes()
     return sum(storages.values())
 
 

@@ -16,6 +16,12 @@ times its dot-instruction path instead.
 built here with the kernels' compiler, ``batchgen_kernels.cpu.compiler``, at -O3 -march=native) and gives
 each float32 rate as a share of it.
 
+``--quant`` times instead bench-deep's four projections (960 x 576, 576 x 576, 3072 x 576, 576 x
+1536) of 30 layers, one pass through all 120 as a decode step makes it, in ms (medians of
+``--rounds``), for the bf16 kernel and the quantized paths a checkpoint's layers take here
+(``QuantLinear``: int4 symmetric and with zero points in groups of 64, int8 weight-only, W8A8, FP8
+per row, FP8 in 128 x 128 blocks), with random codes; each path's name as ``stats()`` gives it.
+
 ``--fused`` times instead what the kernel folds into a GEMM's pass, in ms per call with the
 engine's allocator setting: bench-56m's gate/up GEMM then the SwiGLU kernel against the gated GEMM
 (``Linear.silu_mul``), and the LM head then ``.float()`` against the widened GEMM
@@ -152,6 +158,68 @@ def fused(dt: torch.dtype, rows: list[int]) -> None:
         )
 
 
+DEEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # bench-deep's qkv, o, gate/up, down
+DEEP_LAYERS = 30
+
+
+def quant_layers(fmt: str, gen: torch.Generator) -> list:
+    """bench-deep's 120 projections in ``fmt`` ("bf16" or a quantized format), random values."""
+    from batchgen.model.quant import QuantLinear, QWeight  # noqa: PLC0415
+
+    layers: list = []
+    for _ in range(DEEP_LAYERS):
+        for n, k in DEEP_SHAPES:
+            if fmt == "bf16":
+                layers.append(Linear((torch.randn(n, k, generator=gen) * 0.05).bfloat16(), backends=["cpu"],
+                                     strict=True))
+                continue
+            if fmt.startswith("int4"):
+                q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+                scale = torch.rand(n, k // 64, generator=gen) * 0.01 + 0.001
+                zero = torch.full_like(scale, 8.0) if fmt == "int4-sym" else torch.randint(
+                    0, 16, scale.shape, generator=gen).float()
+                qw = QWeight("int", 4, q, scale, zero, 64)
+            elif fmt in ("int8", "w8a8"):
+                q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+                qw = QWeight("int", 8, q, torch.rand(n, 1, generator=gen) * 0.001, None, k,
+                             activations="int8-token" if fmt == "w8a8" else None)
+            else:  # fp8 per row, fp8-block per 128 x 128
+                q = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float8_e4m3fn)
+                block = fmt == "fp8-block"
+                scale = torch.rand(n, (k + 127) // 128 if block else 1, generator=gen) + 0.5
+                qw = QWeight("fp8", 8, q, scale if not block else scale, None, 128 if block else k)
+                if block and k % 128:  # a partial last block: scales per 64 inputs, as the loader gives them
+                    qw = QWeight("fp8", 8, q, scale.repeat_interleave(2, 1)[:, : k // 64], None, 64)
+            layers.append(QuantLinear(qw, None, torch.device("cpu"), torch.bfloat16))
+    return layers
+
+
+def quant(rows: list[int], rounds: int, formats: list[str]) -> None:
+    from batchgen.model.quant import path_counts  # noqa: PLC0415
+
+    keep_freed_memory()
+    gen = torch.Generator().manual_seed(0)
+    sides = {fmt: quant_layers(fmt, gen) for fmt in ["bf16", *formats]}
+    names = {fmt: ", ".join(path_counts(ls)) if fmt != "bf16" else "bf16 kernel" for fmt, ls in sides.items()}
+    print(f"ms per pass through bench-deep's {len(sides['bf16'])} projections, bfloat16, medians of {rounds}")
+    print("| rows | " + " | ".join(f"{f} ({names[f]})" for f in sides) + " |")
+    print("| --- | " + " | ".join("---" for _ in sides) + " |")
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in {k for _, k in DEEP_SHAPES}}
+        times: dict[str, list[float]] = {f: [] for f in sides}
+        for _ in range(rounds):
+            for fmt, layers in sides.items():  # the sides alternate: drift falls on all of them
+                for layer in layers[:4]:
+                    layer(xs[layer.in_features])
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(xs[layer.in_features])
+                times[fmt].append((time.perf_counter() - t0) * 1e3)
+        med = {f: sorted(t)[len(t) // 2] for f, t in times.items()}
+        cells = [f"{med['bf16']:.2f}"] + [f"{med[f]:.2f} ({med['bf16'] / med[f]:.2f}x)" for f in formats]
+        print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -159,6 +227,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 2048])
     ap.add_argument("--backends", nargs="+", default=["cpu", "onednn", "torch"])
     ap.add_argument("--fused", action="store_true", help="time the GEMM kernel's fused passes instead")
+    ap.add_argument("--quant", nargs="*", metavar="FORMAT",
+                    choices=["int4-sym", "int4-zero", "int8", "w8a8", "fp8", "fp8-block"],
+                    help="time bench-deep's projections in bf16 and these quantized formats instead (none: all)")
+    ap.add_argument("--rounds", type=int, default=7, help="--quant: rounds, the sides alternating")
     ap.add_argument(
         "--cold",
         action="store_true",
@@ -175,6 +247,9 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
     if args.fused:
         fused(dt, args.rows)
+        return
+    if args.quant is not None:
+        quant(args.rows, args.rounds, args.quant or ["int4-sym", "int4-zero", "int8", "w8a8", "fp8", "fp8-block"])
         return
     peak = fma_peak(args.threads) if args.peak else None
     if peak:

@@ -53,9 +53,9 @@
 //
 // On AMX (amx_part below) bf16 runs on tiles, and so do the quantized weights with bf16
 // activations: int8, FP8 with a scale per column and MXFP4 (widened exactly to bf16 pairs),
-// block-wise FP8 and int4 (packed like MXFP4, with a bf16 scale and zero point per column
-// and group) with each weight scaled and rounded to bf16, a pair of column vectors at a time into
-// a scratch buffer, then the bf16 loop. W8A8 on AMX-INT8 multiplies int8 by int8 (w8a8_amx).
+// block-wise FP8 and int4 (two codes a byte, with a bf16 scale and zero point per column and
+// group) with each weight scaled and rounded to bf16, a pair of column vectors at a time into a
+// scratch buffer (the next pair's while the tiles multiply this one's), then the bf16 loop. W8A8 on AMX-INT8 multiplies int8 by int8 (w8a8_amx).
 
 #include <algorithm>
 #include <cstdint>
@@ -93,8 +93,9 @@ struct Fp4Pair {
   uint8_t codes;
 };
 
-// The packed int4 layout's element: one column's K pair of 4-bit codes (unsigned, the first in the
-// low nibble), with a scale and a zero point per column and group of inputs
+// The packed int4 layout's element: two 4-bit codes (unsigned) of a 16-column vector's K pair, byte j
+// holding input j % 2 of the pair for column j / 2 (low nibble) and column 8 + j / 2 (high nibble),
+// with a scale and a zero point per column and group of inputs
 struct Int4Pair {
   uint8_t codes;
 };
@@ -596,11 +597,11 @@ inline void block_mxfp4(const T* x, int64_t ldx, const Fp4Pair* wp, int64_t k, i
 #endif
 #endif
 
-// amx_part's scratch per thread, in uint32: the widened pair of vectors (k * 16), then a last
-// block's rows zero-padded to 32 (32 * k bf16). Allocated by the thread that opens the parallel
+// amx_part's scratch per thread, in uint32: a last block's rows zero-padded to 32 (32 * k bf16),
+// then two pairs of vectors widened (2 * k * 16). Allocated by the thread that opens the parallel
 // region: what a worker thread allocates comes from its own malloc arena, whose pages partly stay
 // resident after the call (a loaded model's probes would keep them).
-inline int64_t amx_scratch(int64_t k) { return 32 * k; }
+inline int64_t amx_scratch(int64_t k) { return 48 * k; }
 
 // Whether amx_part needs its scratch for m rows (quantized weights always; bf16 for a partial last block)
 template <typename W>
@@ -665,12 +666,12 @@ inline __m512 widen_bytes(const int8_t* p) {
 }
 inline __m512 widen_bytes(const uint8_t* p) { return _mm512_cvtph_ps(fp8_as_half(p)); }
 
-// One column vector of bytes ([k][16]) as bf16 pairs ([k / 2][16], amx_part's B operand): exact,
+// The pairs [i0, i1) of one column vector of bytes ([k][16]) as bf16 pairs ([k / 2][16], amx_part's B operand): exact,
 // an int8 value or an FP8 one times 2^-8 has at most 8 significant bits
 template <typename W>
-void bytes_as_pairs(const W* src, int64_t k, uint32_t* dst) {
+void bytes_as_pairs(const W* src, int64_t i0, int64_t i1, uint32_t* dst) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t i = 0; i < k / 2; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     const __m512i first = _mm512_castps_si512(widen_bytes(src + 32 * i));
     const __m512i second = _mm512_castps_si512(widen_bytes(src + 32 * i + 16));
     // first's high half into the low half, second's high half kept: (first >> 16) | (second & high)
@@ -681,45 +682,56 @@ void bytes_as_pairs(const W* src, int64_t k, uint32_t* dst) {
 // Two float32 vectors (a column vector's two inputs of a K pair) as 16 bf16 pairs, each rounded to
 // nearest even, the first in the low half
 inline __m512i bf16_pairs(__m512 first, __m512 second) {
-  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
-  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  // one conversion of both (first's 16 words low, second's high), then the words interleaved
+  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh(second, first));
 }
 
-// One column vector of int4 codes ([k / 2][16] pairs) as bf16 pairs: (code - zero) * scale of the
-// input's group (``scales`` / ``zeros`` bf16 [k / group][16]; no zeros: 8 for every code, a symmetric
-// checkpoint's) in float32, rounded to bf16 (nearest even)
-inline void int4_as_pairs(const Int4Pair* src, int64_t k, int64_t group, const uint16_t* scales,
+// The pairs [i0, i1) of one column vector of int4 codes ([k / 2][16] bytes, gemm_pack_int4's) as
+// bf16 pairs: (code - zero) * scale of the input's group (``scales`` / ``zeros`` bf16 [k / group][16];
+// no zeros: 8 for every code, a symmetric checkpoint's) in float32, rounded to bf16 (nearest even).
+// A pair's 16 bytes widened to 32-bit lanes are columns 0-7's bf16 pairs in order (low nibbles) and
+// columns 8-15's (high nibbles): one conversion to bf16 makes the 16 pairs, each scale and zero
+// point repeated over its column's two lanes. (code - zero) * scale is code * scale - zero * scale in
+// one rounding: zero * scale, a product of two bf16 values, is exact in float32.
+inline void int4_as_pairs(const Int4Pair* src, int64_t i0, int64_t i1, int64_t group, const uint16_t* scales,
                           const uint16_t* zeros, uint32_t* dst) {
-  const __m128i low = _mm_set1_epi8(0x0f);
-  for (int64_t i = 0; i < k / 2; ++i) {
-    const int64_t g = 2 * i / group;
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  const __m512i first8 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i last8 = _mm512_add_epi32(first8, _mm512_set1_epi32(8));
+  for (int64_t g = 2 * i0 / group, i = i0; i < i1; ++g) {  // a group's pairs at a time, its scales in registers
     const __m512 sv = (__m512)batchgen::load16(scales + 16 * g);
-    const __m512 zv = zeros ? (__m512)batchgen::load16(zeros + 16 * g) : _mm512_set1_ps(8.0f);
-    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
-    const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(codes, low)));
-    const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(codes, 4), low)));
-    _mm512_storeu_si512(dst + 16 * i, bf16_pairs(_mm512_mul_ps(_mm512_sub_ps(first, zv), sv),
-                                                 _mm512_mul_ps(_mm512_sub_ps(second, zv), sv)));
+    const __m512 zs = _mm512_mul_ps(zeros ? (__m512)batchgen::load16(zeros + 16 * g) : _mm512_set1_ps(8.0f), sv);
+    const __m512 s0 = _mm512_permutexvar_ps(first8, sv), s1 = _mm512_permutexvar_ps(last8, sv);
+    const __m512 zs0 = _mm512_permutexvar_ps(first8, zs), zs1 = _mm512_permutexvar_ps(last8, zs);
+    for (const int64_t end = std::min(i1, (g + 1) * group / 2); i < end; ++i) {
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i)));
+      const __m512 a = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low)), s0, zs0);
+      const __m512 b = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s1, zs1);
+      _mm512_storeu_si512(dst + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
   }
 }
 
-// One column vector of block-wise FP8 ([k][16] bytes) as bf16 pairs: each weight times its
-// group's scale (``scales`` float32 [k / group][16], times 2^8) in float32, rounded to bf16
-inline void fp8_blocks_as_pairs(const Fp8Block* src, int64_t k, int64_t group, const float* scales, uint32_t* dst) {
+// The pairs [i0, i1) of one column vector of block-wise FP8 ([k][16] bytes) as bf16 pairs: each
+// weight times its group's scale (``scales`` float32 [k / group][16], times 2^8) in float32, rounded to bf16
+inline void fp8_blocks_as_pairs(const Fp8Block* src, int64_t i0, int64_t i1, int64_t group, const float* scales,
+                                uint32_t* dst) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < k / 2; ++i) {
-    const __m512 sv = _mm512_loadu_ps(scales + 16 * (2 * i / group));
-    _mm512_storeu_si512(dst + 16 * i, bf16_pairs(_mm512_mul_ps(widen_bytes(bytes + 32 * i), sv),
-                                                 _mm512_mul_ps(widen_bytes(bytes + 32 * i + 16), sv)));
+  for (int64_t g = 2 * i0 / group, i = i0; i < i1; ++g) {  // a group's pairs at a time
+    const __m512 sv = _mm512_loadu_ps(scales + 16 * g);
+    for (const int64_t end = std::min(i1, (g + 1) * group / 2); i < end; ++i)
+      _mm512_storeu_si512(dst + 16 * i, bf16_pairs(_mm512_mul_ps(widen_bytes(bytes + 32 * i), sv),
+                                                   _mm512_mul_ps(widen_bytes(bytes + 32 * i + 16), sv)));
   }
 }
 
-// One column vector of MXFP4 pairs ([k / 2][16]) as bf16 pairs: each code's value times its
-// group's power-of-two scale (``scales`` float32 [k / 32][16], times 2^14), exact in bf16
-inline void mxfp4_as_pairs(const Fp4Pair* src, int64_t k, const float* scales, uint32_t* dst) {
+// The pairs [i0, i1) of one column vector of MXFP4 pairs ([k / 2][16]) as bf16 pairs: each code's
+// value times its group's power-of-two scale (``scales`` float32 [k / 32][16], times 2^14), exact in bf16
+inline void mxfp4_as_pairs(const Fp4Pair* src, int64_t i0, int64_t i1, const float* scales, uint32_t* dst) {
   const __m128i table = fp4_half_table();
-  for (int64_t i = 0; i < k / 2; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     const __m512 sv = _mm512_loadu_ps(scales + i / 16 * 16);
     __m128i first, second;
     fp4_high_bytes(src + 16 * i, table, first, second);
@@ -744,10 +756,12 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
   constexpr bool int4 = std::is_same_v<W, Int4Pair>;
   constexpr bool blocks = std::is_same_v<W, Fp8Block>;
   constexpr bool mxfp4 = std::is_same_v<W, Fp4Pair>;
-  constexpr bool bytes = !std::is_same_v<W, uint32_t> && !int4 && !blocks && !mxfp4;
+  constexpr bool quantized = !std::is_same_v<W, uint32_t>;
+  constexpr bool bytes = quantized && !int4 && !blocks && !mxfp4;
   const int64_t vectors = (n + 15) / 16;
   const int64_t unit = Gated ? 2 : 1;
   const int64_t vstride = bytes || blocks ? k * 16 : k / 2 * 16;  // W per vector
+  const int64_t half = k / 2 * 16;  // uint32 per widened vector
   const int64_t steps = k / 32;
   const int64_t lo = vectors / unit * t / nt * unit, hi = vectors / unit * (t + 1) / nt * unit;
   if (lo >= hi || m == 0) return;
@@ -756,8 +770,31 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
     own.reset(new uint32_t[amx_scratch(k)]);
     scratch = own.get();
   }
-  uint32_t* const widened = scratch;  // quantized weights: the pair's as bf16 pairs
-  uint16_t* const pad = reinterpret_cast<uint16_t*>(scratch + 16 * k);  // a last block's rows, zero-padded
+  uint16_t* const pad = reinterpret_cast<uint16_t*>(scratch);  // a last block's rows, zero-padded
+  // quantized weights: two pairs of vectors as bf16 pairs, the one being multiplied and the next
+  uint32_t* const widened[2] = {quantized ? scratch + 16 * k : nullptr, quantized ? scratch + 16 * k + 2 * half : nullptr};
+  // the pairs [i0, i1) of vector v's weights as bf16 pairs into dst (vector v's own widened slot)
+  auto widen = [&](int64_t v, int64_t i0, int64_t i1, uint32_t* dst) {
+    const W* src = wp + v * vstride;
+    if constexpr (bytes) {
+      bytes_as_pairs(src, i0, i1, dst);
+    } else if constexpr (blocks) {
+      fp8_blocks_as_pairs(src, i0, i1, group, scale + v * (k / group * 16), dst);
+    } else if constexpr (mxfp4) {
+      mxfp4_as_pairs(src, i0, i1, scale + v * (k / 32 * 16), dst);
+    } else if constexpr (int4) {
+      const int64_t per_vector = k / group * 16;
+      int4_as_pairs(src, i0, i1, group, group_scales + v * per_vector, zeros ? zeros + v * per_vector : nullptr,
+                    dst);
+    }
+  };
+  // of the pair at v (cols vectors), the share [f0, f1) of its cols * k / 2 pairs, into dst
+  auto widen_share = [&](int64_t v, int cols, int64_t f0, int64_t f1, uint32_t* dst) {
+    for (int c = 0; c < cols; ++c) {
+      const int64_t i0 = std::max<int64_t>(f0 - c * (k / 2), 0), i1 = std::min<int64_t>(f1 - c * (k / 2), k / 2);
+      if (i0 < i1) widen(v + c, i0, i1, dst + c * half);
+    }
+  };
   batchgen::configure_full_tiles();
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
@@ -768,37 +805,27 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
       std::memset(pad, 0, static_cast<size_t>(32 * k) * sizeof(uint16_t));
       for (int64_t r = 0; r < tail; ++r) std::memcpy(pad + r * k, x + (tail_row + r) * ldx, k * sizeof(uint16_t));
     }
-    for (int64_t v = lo; v < hi; v += 2) {
+    // Quantized weights are widened a pair ahead: the next pair's share by share between the tile
+    // products of this pair's row blocks, whose instructions run meanwhile on the tile unit
+    if constexpr (quantized) widen_share(lo, hi - lo >= 2 ? 2 : 1, 0, (hi - lo >= 2 ? 2 : 1) * (k / 2), widened[0]);
+    int cur = 0;
+    const int64_t blocks_in_chunk = (mend - mc + 31) / 32;
+    for (int64_t v = lo; v < hi; v += 2, cur ^= 1) {
       const int cols = hi - v >= 2 ? 2 : 1;
       const W* src = wp + v * vstride;
       const uint32_t* w0;
-      if constexpr (bytes) {
-        for (int c = 0; c < cols; ++c) bytes_as_pairs(src + c * vstride, k, widened + c * (k / 2) * 16);
-        w0 = widened;
-      } else if constexpr (blocks) {
-        for (int c = 0; c < cols; ++c)
-          fp8_blocks_as_pairs(src + c * vstride, k, group, scale + (v + c) * (k / group * 16),
-                              widened + c * (k / 2) * 16);
-        w0 = widened;
-      } else if constexpr (mxfp4) {
-        for (int c = 0; c < cols; ++c)
-          mxfp4_as_pairs(src + c * vstride, k, scale + (v + c) * (k / 32 * 16), widened + c * (k / 2) * 16);
-        w0 = widened;
-      } else if constexpr (int4) {
-        const int64_t per_vector = k / group * 16;
-        for (int c = 0; c < cols; ++c)
-          int4_as_pairs(src + c * vstride, k, group, group_scales + (v + c) * per_vector,
-                        zeros ? zeros + (v + c) * per_vector : nullptr,
-                        widened + c * (k / 2) * 16);
-        w0 = widened;
-      } else {
-        w0 = src;
-      }
-      const uint32_t* w1 = w0 + k / 2 * 16;
-      // the next pair's weights, prefetched into L2 during the first row block
-      const char* next = reinterpret_cast<const char*>(src + cols * vstride);
+      if constexpr (quantized) w0 = widened[cur];
+      else w0 = src;
+      const uint32_t* w1 = w0 + half;
+      const int next_cols = v + 2 < hi ? (hi - v - 2 >= 2 ? 2 : 1) : 0;
+      const int64_t next_pairs = next_cols * (k / 2), slots = blocks_in_chunk * steps;
+      int64_t slot = 0;
+      // the weights ahead prefetched into L2 during the first row block: quantized, the pair after
+      // the next one (the next one's are read meanwhile by its widening); bf16, the next one
+      const int64_t ahead = quantized ? 4 : 2;
+      const char* next = reinterpret_cast<const char*>(src + ahead * vstride);
       const int64_t next_lines =
-          v + 2 < hi ? std::min<int64_t>(2, hi - v - 2) * vstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
+          v + ahead < hi ? std::min<int64_t>(2, hi - v - ahead) * vstride * static_cast<int64_t>(sizeof(W)) / 64 : 0;
       const int64_t per_step = (next_lines + steps - 1) / steps;
       const int lastn = (v + cols == vectors && n % 16) ? static_cast<int>(n % 16) : 16;
       for (int64_t mb = mc; mb < mend; mb += 32) {
@@ -829,6 +856,13 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
             _tile_loadd(5, a + 16 * lda + 32 * s, lda * 2);
             _tile_dpbf16ps(2, 5, 6);
             if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+          }
+          if constexpr (quantized) {
+            if (next_cols) {
+              widen_share(v + 2, next_cols, slot * next_pairs / slots, (slot + 1) * next_pairs / slots,
+                          widened[cur ^ 1]);
+              ++slot;
+            }
           }
         }
         _tile_stored(0, &acc[0][0], 128);
@@ -1405,8 +1439,8 @@ int gemm_w8a8_amx_bf16(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
 }
 
 // int4 codes [n, k] (bytes: unsigned 0-15 where ``offset`` is 0, signed -8..7 where it is 8) into
-// [ceil(n/16)][k/2][16] bytes, each a column's K pair of code + offset (the first in the low nibble);
-// columns past n zero. 1 for an odd k.
+// [ceil(n/16)][k/2][16] bytes of code + offset, in Int4Pair's order (a K pair's byte j: input j % 2
+// of column j / 2 low, of column 8 + j / 2 high); columns past n zero. 1 for an odd k.
 int gemm_pack_int4(const uint8_t* q, int64_t n, int64_t k, int offset, uint8_t* out) {
   if (k % 2) return 1;
   const int64_t vectors = (n + 15) / 16, pairs = k / 2;
@@ -1414,18 +1448,20 @@ int gemm_pack_int4(const uint8_t* q, int64_t n, int64_t k, int offset, uint8_t* 
     const int value = offset ? static_cast<int>(static_cast<int8_t>(q[col * k + in])) : q[col * k + in];
     return static_cast<uint8_t>((value + offset) & 15);
   };
+  // byte j of a pair: input 2i + j % 2 of column j / 2 (low nibble) and of column 8 + j / 2 (high)
+  auto nibble = [&](int64_t col, int64_t in) { return col < n ? code(col, in) : static_cast<uint8_t>(0); };
 #pragma omp parallel for schedule(static)
   for (int64_t v = 0; v < vectors; ++v)
     for (int64_t i = 0; i < pairs; ++i)
       for (int64_t j = 0; j < 16; ++j) {
-        const int64_t col = v * 16 + j;
-        out[(v * pairs + i) * 16 + j] = col < n ? static_cast<uint8_t>(code(col, 2 * i) | code(col, 2 * i + 1) << 4) : 0;
+        const int64_t col = v * 16 + j / 2, in = 2 * i + j % 2;
+        out[(v * pairs + i) * 16 + j] = static_cast<uint8_t>(nibble(col, in) | nibble(col + 8, in) << 4);
       }
   return 0;
 }
 
 // int4 weight-only in bf16 on AMX tiles: y [m, n] = x @ W^T + bias with W's codes [ceil(n/16)][k/2][16]
-// (a byte: two unsigned codes, the first in the low nibble), scales and zero points bf16
+// (bytes of two unsigned codes, gemm_pack_int4's order), scales and zero points bf16
 // [ceil(n/16)][k/group][16] (zero points null: 8 for all), each weight (code - zero) * scale rounded to bf16. 1 where the tiles do
 // not run (not compiled in, refused or turned off; k not a multiple of 32; group odd or not
 // dividing k).

@@ -494,12 +494,14 @@ def test_w8a8_tiles_equal_the_int8_products(dtype, rows, k, n):
 
 @pytest.mark.skipif(not cpu_gemm.amx(), reason="no AMX tiles here")
 @pytest.mark.parametrize(("rows", "k", "n", "group"), [(0, 64, 16, 32), (1, 64, 16, 64), (5, 96, 40, 32),
-                                                       (33, 256, 88, 128), (300, 128, 5, 128)])
+                                                       (33, 256, 88, 128), (300, 128, 5, 128),
+                                                       (40, 576, 200, 64)])
 def test_int4_tiles_equal_the_weight_rounded_to_bf16(rows, k, n, group):
     """int4 weight-only on the bf16 tiles: every code 0-15, a scale and a zero point per column and
     group (each group's different; scales kept in bf16), against float64 on the dequantized weight
     rounded to bf16 (the kernel's rounding of a weight); column tails, row blocks past one chunk of
-    256, a strided input."""
+    256, a strided input; several pairs of vectors a thread (each widened while the one before is
+    multiplied)."""
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     codes.view(-1)[:16] = torch.arange(16, dtype=torch.uint8)[: codes.numel()]
