@@ -3,7 +3,8 @@ float32 on the dequantized weights (for W8A8 with the activations fake-quantized
 greedy tokens, beam width 2 with scores, sampled log-probabilities, on Llama and Qwen3-MoE. Each
 format's writer round-trips through a dequantizer written here from the formats' descriptions, a
 wrong nibble order or zero-point offset in the loader fails the comparison, the resident memory is
-measured in a subprocess, and bad checkpoints get errors naming the tensor or field."""
+measured in a subprocess, and bad checkpoints get errors naming the tensor or field. int4 in bf16
+on AMX tiles is compared with the dense bf16 model of the weights the tiles multiply."""
 
 from __future__ import annotations
 
@@ -313,6 +314,52 @@ def test_w8a8_without_its_tiles_rounds_then_widens(llama_src, tmp_path, monkeypa
     stats: dict = {}
     assert failures(path, oracle, tol, beams=False, stats=stats) == []
     assert stats["quantized_paths"] == "dense x 1, w8a8-kernel x 8"
+
+
+@pytest.mark.skipif(not amx(), reason="no AMX tiles here: int4 in bf16 takes torch's int4 GEMM")
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym", "awq-4bit-g32", "ct-int4-g32-asym"])
+def test_int4_on_the_bf16_tiles_equals_the_bf16_model_of_its_weights(llama_src, tmp_path, case):
+    """int4 in bf16 on AMX (``int4-amx``) end to end: each weight is ``(code - zero) * scale`` with
+    the scale kept in bf16, rounded to bf16, then the bf16 tiles. A dense bf16 model holding exactly
+    those weights (computed here by the independent dequantizer) runs the same tiles, so the two
+    give the same greedy tokens and log-probabilities; the dense model on the checkpoint's own
+    scales is the control, showing that the comparison sees the scales' rounding."""
+    fmt, opts, _ = CASES[case]
+    quantize_model(llama_src, tmp_path / "q", fmt, oracle=tmp_path / "oracle", **opts)
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    dense = load_file(str(tmp_path / "oracle" / "model.safetensors"))
+    widened = 0
+    for key in [k for k in tensors if k.endswith((".qweight", ".weight_packed"))]:
+        prefix = key.rsplit(".", 1)[0]
+        own = {k.removeprefix(prefix + "."): v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        for name in ("scales", "weight_scale"):  # kept in bf16 by the tiles' path
+            if name in own:
+                own[name] = own[name].bfloat16().float()
+        dense[prefix + ".weight"] = dequantize(fmt, own, 4).bfloat16().float().contiguous()
+        widened += 1
+    assert widened == 14  # 2 layers x 7 projections
+    for name in ("tiles", "control"):
+        (tmp_path / name).mkdir()
+        for f in (tmp_path / "oracle").iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, tmp_path / name / f.name)
+    save_file(dense, str(tmp_path / "tiles" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(tmp_path / "oracle" / "model.safetensors", tmp_path / "control" / "model.safetensors")
+
+    def run(path: Path) -> tuple[list, list, dict]:
+        llm = LLM(str(path), dtype="bfloat16")
+        greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        sampled = llm.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True))
+        return ([o.outputs[0].token_ids for o in greedy],
+                [(c.token_ids, c.cumulative_logprob) for o in sampled for c in o.outputs], llm.stats())
+
+    got, want, control = run(tmp_path / "q"), run(tmp_path / "tiles"), run(tmp_path / "control")
+    assert got[2]["quantized_paths"] == "dense x 1, int4-amx x 8"
+    assert got[0] == want[0]
+    assert [t for t, _ in got[1]] == [t for t, _ in want[1]]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got[1], want[1])) < 1e-4
+    # the checkpoint's float16 scales, not rounded to bf16: visibly other log-probabilities
+    assert got[1] != control[1]
 
 
 @pytest.mark.parametrize("case", ["ct-fp8-tensor", "ct-fp8-per-row"])
