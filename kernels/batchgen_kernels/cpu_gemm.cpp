@@ -55,7 +55,8 @@
 // activations: int8, FP8 with a scale per column and MXFP4 (widened exactly to bf16 pairs),
 // block-wise FP8 and int4 (two codes a byte, with a bf16 scale and zero point per column and
 // group) with each weight scaled and rounded to bf16, a pair of column vectors at a time into a
-// scratch buffer (the next pair's while the tiles multiply this one's), then the bf16 loop. W8A8 on AMX-INT8 multiplies int8 by int8 (w8a8_amx).
+// scratch buffer (the next pair's while the tiles multiply this one's), then the bf16 loop. W8A8
+// on AMX-INT8 multiplies int8 by int8 (w8a8_amx).
 
 #include <algorithm>
 #include <cstdint>
@@ -666,8 +667,8 @@ inline __m512 widen_bytes(const int8_t* p) {
 }
 inline __m512 widen_bytes(const uint8_t* p) { return _mm512_cvtph_ps(fp8_as_half(p)); }
 
-// The pairs [i0, i1) of one column vector of bytes ([k][16]) as bf16 pairs ([k / 2][16], amx_part's B operand): exact,
-// an int8 value or an FP8 one times 2^-8 has at most 8 significant bits
+// The pairs [i0, i1) of one column vector of bytes ([k][16]) as bf16 pairs ([k / 2][16],
+// amx_part's B operand): exact, an int8 value or an FP8 one times 2^-8 has at most 8 significant bits
 template <typename W>
 void bytes_as_pairs(const W* src, int64_t i0, int64_t i1, uint32_t* dst) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
@@ -772,7 +773,8 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
   }
   uint16_t* const pad = reinterpret_cast<uint16_t*>(scratch);  // a last block's rows, zero-padded
   // quantized weights: two pairs of vectors as bf16 pairs, the one being multiplied and the next
-  uint32_t* const widened[2] = {quantized ? scratch + 16 * k : nullptr, quantized ? scratch + 16 * k + 2 * half : nullptr};
+  uint32_t* const widened[2] = {quantized ? scratch + 16 * k : nullptr,
+                                 quantized ? scratch + 16 * k + 2 * half : nullptr};
   // the pairs [i0, i1) of vector v's weights as bf16 pairs into dst (vector v's own widened slot)
   auto widen = [&](int64_t v, int64_t i0, int64_t i1, uint32_t* dst) {
     const W* src = wp + v * vstride;
