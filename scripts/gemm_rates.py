@@ -185,11 +185,10 @@ def quant_layers(fmt: str, gen: torch.Generator) -> list:
                              activations="int8-token" if fmt == "w8a8" else None)
             else:  # fp8 per row, fp8-block per 128 x 128
                 q = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float8_e4m3fn)
-                block = fmt == "fp8-block"
-                scale = torch.rand(n, (k + 127) // 128 if block else 1, generator=gen) + 0.5
-                qw = QWeight("fp8", 8, q, scale if not block else scale, None, 128 if block else k)
-                if block and k % 128:  # a partial last block: scales per 64 inputs, as the loader gives them
-                    qw = QWeight("fp8", 8, q, scale.repeat_interleave(2, 1)[:, : k // 64], None, 64)
+                # blocks of 128 inputs; where the last is partial (576 inputs), the scales apply per 64,
+                # as the loader gives them
+                group = k if fmt == "fp8" else 128 if k % 128 == 0 else 64
+                qw = QWeight("fp8", 8, q, torch.rand(n, k // group, generator=gen) + 0.5, None, group)
             layers.append(QuantLinear(qw, None, torch.device("cpu"), torch.bfloat16))
     return layers
 

@@ -797,6 +797,7 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
       if (i0 < i1) widen(v + c, i0, i1, dst + c * half);
     }
   };
+  auto cols_at = [&](int64_t v) { return v >= hi ? 0 : hi - v >= 2 ? 2 : 1; };  // vectors of the pair at v
   batchgen::configure_full_tiles();
   alignas(64) float acc[32][32];
   for (int64_t mc = 0; mc < m; mc += kAmxChunkRows) {
@@ -809,17 +810,17 @@ void amx_part(int t, int nt, const uint16_t* x, int64_t ldx, int64_t m, int64_t 
     }
     // Quantized weights are widened a pair ahead: the next pair's share by share between the tile
     // products of this pair's row blocks, whose instructions run meanwhile on the tile unit
-    if constexpr (quantized) widen_share(lo, hi - lo >= 2 ? 2 : 1, 0, (hi - lo >= 2 ? 2 : 1) * (k / 2), widened[0]);
+    if constexpr (quantized) widen_share(lo, cols_at(lo), 0, cols_at(lo) * (k / 2), widened[0]);
     int cur = 0;
     const int64_t blocks_in_chunk = (mend - mc + 31) / 32;
     for (int64_t v = lo; v < hi; v += 2, cur ^= 1) {
-      const int cols = hi - v >= 2 ? 2 : 1;
+      const int cols = cols_at(v);
       const W* src = wp + v * vstride;
       const uint32_t* w0;
       if constexpr (quantized) w0 = widened[cur];
       else w0 = src;
       const uint32_t* w1 = w0 + half;
-      const int next_cols = v + 2 < hi ? (hi - v - 2 >= 2 ? 2 : 1) : 0;
+      const int next_cols = cols_at(v + 2);
       const int64_t next_pairs = next_cols * (k / 2), slots = blocks_in_chunk * steps;
       int64_t slot = 0;
       // the weights ahead prefetched into L2 during the first row block: quantized, the pair after
