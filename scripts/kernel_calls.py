@@ -31,11 +31,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+import xgrammar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batchgen.engine import sampler  # noqa: E402
 from batchgen.engine.sampler import SampleRow  # noqa: E402
+from batchgen.engine.structured import StructuredOutputs  # noqa: E402
 from batchgen.model import attention, layers  # noqa: E402
 from batchgen.model.moe import swiglu  # noqa: E402
 from batchgen.model.runner import ModelRunner  # noqa: E402
@@ -84,6 +86,14 @@ def cases(cfg, rows: int, beams: int, dtype: torch.dtype = torch.float32) -> lis
     logits = torch.randn(rows, hidden, generator=g) @ (torch.randn(vocab, hidden, generator=g) * 0.02).T
     params = SamplingParams(temperature=0.8, top_p=0.95)
     sample_rows = [SampleRow(params, seed=i, step=5, token_ids=[], num_prompt_tokens=0, blocked_ids=[]) for i in range(rows)]
+    # J's masks, half the rows inside a JSON string (a few tokens forbidden), half at its structure
+    # (a few allowed): the mask in the sampler's call, or (library) xgrammar's on a copy of the logits
+    bits = torch.full((rows, -(-vocab // 32)), -1, dtype=torch.int32)
+    bits[::2, ::50] = 0x7FFFFFFF
+    bits[1::2] = 0
+    bits[1::2, :8] = 0x0F0F0F0F
+    structured = SimpleNamespace(vocab_size=vocab, mask_s=0.0, _xgr=xgrammar)  # what StructuredOutputs.apply reads
+    mask = sampler.GrammarMask(bits, list(range(rows)), lambda *a: StructuredOutputs.apply(structured, *a), vocab)
     beam_logits = logits[:beams].contiguous()
     beam_rows, running = torch.arange(beams), torch.randn(beams, generator=g)
 
@@ -104,6 +114,8 @@ def cases(cfg, rows: int, beams: int, dtype: torch.dtype = torch.float32) -> lis
         ("kv_write", "S", f"[{rows}, {kvh}, {hd}]", layers_n, lambda: attention.write_kv(k, k, k_cache, v_cache, slots)),
         ("block_ops", "B", f"{len(src)} blocks x {layers_n} layers", 1, lambda: ModelRunner.copy_blocks(runner, copies)),
         ("sampling", "S", f"[{rows}, {vocab}], T 0.8, top-p 0.95", 1, lambda: sampler.sample(logits, sample_rows)),
+        ("token_mask", "S", f"[{rows}, {vocab}], sampling as S, J's masks", 1,
+         lambda: sampler.sample(logits, sample_rows, grammar=mask)),
         ("beam_topk", "B", f"[{beams}, {vocab}], width 4", 1, beam_candidates),
     ]
 

@@ -406,7 +406,7 @@ class LLMEngine:
             if i not in live:  # a beam that took an end token as a running candidate (nothing else was
                 # allowed): as after the grammar's end, only end tokens, as the oracle's processor does
                 allow_only(mask, i, self._grammar_stops(seqs[i].group.params))
-        return GrammarMask(mask, rows, structured.apply)
+        return GrammarMask(mask, rows, structured.apply, structured.vocab_size)
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Feed ``token`` to the sequence's grammar; True when that ends the sequence (the grammar

@@ -18,12 +18,16 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from batchgen.outputs import Logprob
 from batchgen.params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchgen_kernels.cpu_sampling import RowMask
 
 _MASK64 = (1 << 64) - 1
 
@@ -61,12 +65,14 @@ class SampleRow:
 
 @dataclass
 class GrammarMask:
-    """A step's structured-output mask: ``apply(scores, mask, rows)`` sets the tokens ``mask`` does
-    not allow to -inf in ``rows`` of ``scores`` (``batchgen/engine/structured.py``)."""
+    """A step's structured-output mask: ``apply(scores, mask, rows)`` sets the tokens below
+    ``vocab`` that ``mask`` does not allow to -inf in ``rows`` of ``scores``
+    (``batchgen/engine/structured.py``)."""
 
     mask: torch.Tensor
     rows: list[int]
     apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]
+    vocab: int
 
 
 @dataclass
@@ -241,8 +247,9 @@ def sample(
     where asked).
 
     ``fused``: the full-vocabulary passes on the compiled CPU kernels (``batchgen_kernels.cpu_sampling``);
-    None: where they build and the logits are float32 on the CPU. The torch code is the reference."""
-    x = _adjusted_logits(logits, rows, grammar)
+    None: where they build and the logits are float32 on the CPU. The torch code is the reference.
+    Where the compiled kernels pick every row in one call (greedy, plain and top-p draws) and nothing
+    else adjusts the logits, the grammar's mask goes into that call: no masked copy of the logits."""
     greedy_rows = [r.params.temperature == 0 for r in rows]
     temps = [r.params.temperature or 1.0 for r in rows]
     kernels = None
@@ -250,12 +257,17 @@ def sample(
         kernels = fused_kernels()
         if kernels is None and fused:
             raise RuntimeError("the compiled CPU kernels are not available here")
+    one_call = kernels is not None and (all(greedy_rows) or not any(r.params.top_k > 0 or r.params.min_p for r in rows))
+    mask = None
+    if one_call and grammar is not None and fused_kernels("token_mask") is not None and not _adjusts(rows, logits):
+        mask, grammar = kernels.RowMask(grammar.mask, grammar.rows, grammar.vocab), None  # type: ignore[union-attr]
+    x = _adjusted_logits(logits, rows, grammar)
     if kernels is not None and all(greedy_rows):  # the argmax and log-sum-exp only
-        tokens, lse = kernels.greedy_pick(x, logits)
+        tokens, lse = kernels.greedy_pick(x, logits, mask)
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
-    if kernels is not None and not any(r.params.top_k > 0 or r.params.min_p for r in rows):
-        return _sample_in_one_pass(x, logits, rows, kernels)
+    if one_call and kernels is not None:
+        return _sample_in_one_pass(x, logits, rows, kernels, mask)
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
     if kernels is not None:
         inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
@@ -285,19 +297,28 @@ def sample(
     return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
 
-def _sample_in_one_pass(x: torch.Tensor, logits: torch.Tensor, rows: list[SampleRow], kernels: ModuleType) -> SampleResult:
+def _sample_in_one_pass(
+    x: torch.Tensor, logits: torch.Tensor, rows: list[SampleRow], kernels: ModuleType, mask: RowMask | None = None
+) -> SampleResult:
     """``sample`` on the compiled kernels for rows without top-k and min-p: greedy, plain and top-p
-    draws and the log-probabilities in one call (``kernels.sample_rows``) that keeps each row's
-    probabilities in cache; the rows top-p by rejection did not settle go to the sort path, as in
-    ``_draw_rows``. The tokens are those of the multi-pass route (the same arithmetic)."""
+    draws and the log-probabilities in one call (``kernels.sample_rows``, with the grammar's ``mask``
+    where given) that keeps each row's probabilities in cache; the rows top-p by rejection did not
+    settle go to the sort path, as in ``_draw_rows``. The tokens are those of the multi-pass route
+    (the same arithmetic)."""
     inv_temp = torch.tensor([1.0 / r.params.temperature if r.params.temperature else 0.0 for r in rows])
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
     tokens, chosen, rejected = kernels.sample_rows(
-        x, logits, inv_temp, top_p, [r.seed for r in rows], [r.step * 8 for r in rows], _REJECTION_ROUNDS, _BLOCK
+        x, logits, inv_temp, top_p, [r.seed for r in rows], [r.step * 8 for r in rows], _REJECTION_ROUNDS, _BLOCK,
+        mask,
     )
     left = torch.nonzero(rejected).flatten()
     if left.numel():
-        probs, _, lse = kernels.tempered_softmax(x[left], logits[left], inv_temp[left], _BLOCK)
+        sub = x[left]  # a copy
+        if mask is not None:
+            masked = set(mask.rows)
+            index = [j for j, i in enumerate(left.tolist()) if i in masked]
+            kernels.token_mask(sub, mask.bitmask[left].contiguous(), index, mask.vocab)
+        probs, _, lse = kernels.tempered_softmax(sub, logits[left], inv_temp[left], _BLOCK)
         sub_rows = [rows[i] for i in left.tolist()]
         no_k = torch.zeros(len(sub_rows), dtype=torch.long)
         tokens[left] = _sample_sorted(probs, sub_rows, list(range(len(sub_rows))), no_k, top_p[left])
@@ -305,17 +326,30 @@ def _sample_in_one_pass(x: torch.Tensor, logits: torch.Tensor, rows: list[Sample
     return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
 
 
+def _blocked(rows: list[SampleRow], logits: torch.Tensor) -> list[tuple[int, int]]:
+    return [(i, t) for i, r in enumerate(rows) for t in r.blocked_ids if t < logits.shape[1]]
+
+
+def _penalized(rows: list[SampleRow]) -> list[int]:
+    return [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+    ]
+
+
+def _adjusts(rows: list[SampleRow], logits: torch.Tensor) -> bool:
+    """Whether a row blocks tokens or takes a penalty (``_adjusted_logits`` then copies the logits)."""
+    return bool(_penalized(rows) or _blocked(rows, logits))
+
+
 def _adjusted_logits(logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None) -> torch.Tensor:
     """``logits`` with the grammar's disallowed tokens and blocked tokens at -inf and repetition /
     frequency / presence penalties applied (a copy only when a row needs one). Where blocking the
     stop tokens (``min_tokens``) would leave a grammar row no token, the grammar wins."""
     x = logits
-    blocked = [(i, t) for i, r in enumerate(rows) for t in r.blocked_ids if t < x.shape[1]]
-    pen = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-    ]
+    blocked = _blocked(rows, x)
+    pen = _penalized(rows)
     if blocked or pen or grammar is not None:
         x = x.clone()
     if grammar is not None:

@@ -80,9 +80,9 @@ SIGNATURES = {
     "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
     # adjusted, raw, rows, vocab, inv_temp, top_p, seeds, counters, rounds, block, token, logprob,
     # rejected, threads
-    "sample_rows": (_INT, [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]),
+    "sample_rows": (_INT, [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _INT]),
     # adjusted, raw, rows, vocab, token, raw_lse, threads
-    "greedy_pick": (None, [_P, _P, _I, _I, _P, _P, _INT]),
+    "greedy_pick": (None, [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _INT]),
     # logits, row stride, vocab, bitmask, words, row_index, n, threads
     "token_mask": (None, [_P, _I, _I, _P, _I, _P, _I, _INT]),
     # x, w, rows, dim, eps, out, threads

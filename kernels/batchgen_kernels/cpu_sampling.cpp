@@ -11,13 +11,16 @@
 // chosen token's log-probability follow from it in the same call.
 //
 // ``token_mask`` applies structured outputs' grammar mask (xgrammar's bitmask) to the constrained
-// rows before any of that.
+// rows before any of that, in place. ``sample_rows`` and ``greedy_pick`` can take the mask
+// themselves instead: each constrained row is copied to a per-thread scratch row and masked there,
+// in cache, so the logits are neither cloned nor masked in memory first.
 //
 // Rows are split over OpenMP threads. batchgen/engine/sampler.py's torch code is the reference
 // (tests/engine/test_sampler.py compares the two; tests/kernels/test_token_mask.py the mask with
 // reference.token_mask_ref and xgrammar's kernel).
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -178,6 +181,24 @@ void token_mask_row(float* x, int64_t vocab, const int32_t* bits) {
     if (!((static_cast<uint32_t>(bits[j / 32]) >> (j % 32)) & 1u)) x[j] = -INFINITY;
 }
 
+// The logits a row's pick uses: ``x`` itself, or where ``mask`` gives the row's bits
+// (``mask.row(r)``), x copied to ``scratch`` with the tokens below ``mask.vocab`` that the bits do
+// not allow at -inf.
+struct RowMask {
+  const int32_t* bits;     // [rows, words], or null: no row is masked
+  int64_t words, vocab;
+  const uint8_t* masked;   // [rows]: 1 where the row follows a grammar
+  const int32_t* row(int64_t r) const { return bits && masked[r] ? bits + r * words : nullptr; }
+};
+
+inline const float* masked_row(const float* x, int64_t vocab, const RowMask& mask, int64_t r, float* scratch) {
+  const int32_t* bits = mask.row(r);
+  if (!bits) return x;
+  std::memcpy(scratch, x, vocab * sizeof(float));
+  token_mask_row(scratch, mask.vocab, bits);
+  return scratch;
+}
+
 }  // namespace
 
 extern "C" {
@@ -213,16 +234,24 @@ int tempered_softmax(const float* adjusted, const float* raw, int64_t rows, int6
 
 // Greedy rows: per row, the first position of the largest ``adjusted`` logit (as torch.argmax; NaN
 // is never the largest here) and the log-sum-exp of ``raw`` (the same pointer when they are).
-void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, int64_t* token,
-                 float* raw_lse, int threads) {
+// bitmask (or null), words, mask_vocab, masked: the grammar's mask, as sample_rows takes it.
+void greedy_pick(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, const int32_t* bitmask,
+                 int64_t words, int64_t mask_vocab, const uint8_t* masked, int64_t* token, float* raw_lse,
+                 int threads) {
   BG_EXPECT(adjusted && raw && token && rows >= 0 && vocab > 0 && threads > 0);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* x = adjusted + r * vocab;
-    const float* y = raw + r * vocab;
-    float mx;
-    token[r] = argmax_row(x, vocab, &mx);
-    raw_lse[r] = log_sum_exp_row(y, vocab, x == y ? mx : row_max(y, vocab));
+  BG_EXPECT(!bitmask || (masked && mask_vocab > 0 && mask_vocab <= vocab && words * 32 >= mask_vocab));
+  const RowMask mask{bitmask, words, mask_vocab, masked};
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(bitmask ? vocab : 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* y = raw + r * vocab;
+      const float* x = masked_row(adjusted + r * vocab, vocab, mask, r, scratch.data());
+      float mx;
+      token[r] = argmax_row(x, vocab, &mx);
+      raw_lse[r] = log_sum_exp_row(y, vocab, x == y ? mx : row_max(y, vocab));
+    }
   }
 }
 
@@ -243,21 +272,27 @@ void mass_above(const float* probs, int64_t vocab, const int64_t* row_index, int
 // settles that row by sorting). logprob: the raw log-probability of the token (raw[token] minus the
 // log-sum-exp of ``raw``). block: a multiple of 16 (returns 1 otherwise). The arithmetic is that of
 // tempered_softmax, mass_above and batchgen.engine.sampler._draw, so the tokens are theirs.
+// bitmask: null, or structured outputs' mask ([rows, words] int32, xgrammar's layout), applied to
+// the tokens below ``mask_vocab`` of the rows where ``masked[r]`` is 1, as token_mask would apply it
+// to ``adjusted`` first.
 int sample_rows(const float* adjusted, const float* raw, int64_t rows, int64_t vocab, const float* inv_temp,
                 const float* top_p, const uint64_t* seeds, const int64_t* counters, int64_t rounds, int64_t block,
-                int64_t* token, float* logprob, uint8_t* rejected, int threads) {
+                const int32_t* bitmask, int64_t words, int64_t mask_vocab, const uint8_t* masked, int64_t* token,
+                float* logprob, uint8_t* rejected, int threads) {
   BG_EXPECT(adjusted && raw && inv_temp && top_p && token && logprob && rejected && rows >= 0 && vocab > 0 &&
             block > 0 && threads > 0);
+  BG_EXPECT(!bitmask || (masked && mask_vocab > 0 && mask_vocab <= vocab && words * 32 >= mask_vocab));
   if (block % 16) return 1;
   const int64_t nblocks = (vocab + block - 1) / block;
+  const RowMask mask{bitmask, words, mask_vocab, masked};
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> p(vocab + 16);
+    std::vector<float> p(vocab + 16), scratch(bitmask ? vocab : 0);
     std::vector<double> cdf(nblocks);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* x = adjusted + r * vocab;
       const float* y = raw + r * vocab;
+      const float* x = masked_row(adjusted + r * vocab, vocab, mask, r, scratch.data());
       rejected[r] = 0;
       if (inv_temp[r] == 0.0f) {
         float mx;

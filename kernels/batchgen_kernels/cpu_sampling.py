@@ -4,6 +4,8 @@ torch code is the reference and the fallback."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -47,12 +49,44 @@ def tempered_softmax(
     return probs, sums, lse
 
 
-def greedy_pick(adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class RowMask(NamedTuple):
+    """Structured outputs' mask as ``sample_rows`` and ``greedy_pick`` take it: ``bitmask`` (int32
+    [rows, words], xgrammar's layout: bit j % 32 of word j / 32 set where token j is allowed) applies
+    to the tokens below ``vocab`` of ``rows`` (the others are not masked), as ``token_mask`` would
+    apply it to ``adjusted`` first."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    vocab: int
+
+
+def _mask_args(kernel: str, mask: RowMask | None, rows: int, vocab: int) -> tuple[int, int, int, int, tuple]:
+    """The kernel's (bitmask, words, mask_vocab, masked) pointers and sizes, and the tensors to keep alive."""
+    if mask is None:
+        return 0, 0, 0, 0, ()
+    expect(kernel, "bitmask", mask.bitmask, torch.int32, (rows, None), contiguous=True)
+    words = mask.bitmask.shape[1]
+    if not 0 < mask.vocab <= min(vocab, words * 32):
+        raise KernelArgumentError(
+            f"{kernel}: the mask's vocab {mask.vocab} must be positive and within the logits' {vocab} columns "
+            f"and bitmask's {words * 32} bits"
+        )
+    if mask.rows and not 0 <= min(mask.rows) <= max(mask.rows) < rows:
+        raise KernelArgumentError(f"{kernel}: the mask's rows must index the logits' {rows} rows")
+    masked = torch.zeros(rows, dtype=torch.uint8)
+    masked[mask.rows] = 1
+    return mask.bitmask.data_ptr(), words, mask.vocab, masked.data_ptr(), (masked,)
+
+
+def greedy_pick(
+    adjusted: torch.Tensor, raw: torch.Tensor, mask: RowMask | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For float32 logits [rows, vocab] on the CPU: per row the first position of the largest
-    ``adjusted`` logit (int64, as ``argmax``) and the log-sum-exp of ``raw`` (float32), without
-    the probabilities ``tempered_softmax`` writes."""
+    ``adjusted`` logit (int64, as ``argmax``; ``mask`` applied first where given) and the log-sum-exp
+    of ``raw`` (float32), without the probabilities ``tempered_softmax`` writes."""
     rows, vocab = _logits("greedy_pick", adjusted, raw)
     adjusted, raw = adjusted.contiguous(), raw.contiguous()
+    bits, words, mask_vocab, masked, _keep = _mask_args("greedy_pick", mask, rows, vocab)
     token = torch.empty(rows, dtype=torch.int64)
     lse = torch.empty(rows, dtype=torch.float32)
     load().greedy_pick(
@@ -60,6 +94,10 @@ def greedy_pick(adjusted: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor
         raw.data_ptr(),
         rows,
         vocab,
+        bits,
+        words,
+        mask_vocab,
+        masked,
         token.data_ptr(),
         lse.data_ptr(),
         torch.get_num_threads(),
@@ -100,11 +138,13 @@ def sample_rows(
     counters: list[int],
     rounds: int,
     block: int,
+    mask: RowMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row of float32 logits [rows, vocab] on the CPU, in one pass per row without
     writing the probabilities: ``inv_temp`` 0 marks a greedy row (the argmax of ``adjusted``); the
     others draw from ``exp((adjusted - max) * inv_temp)`` with ``uniform(seed, counter + attempt)``,
     accepted at once where ``top_p`` >= 1, else by top-p rejection over up to ``rounds`` attempts.
+    ``mask``: structured outputs' mask, applied to ``adjusted``'s rows in cache, not in place.
     Returns the tokens (int64), their raw log-probabilities (float32, from ``raw``) and which rows
     no attempt was accepted for (bool: the caller settles those by sorting)."""
     rows, vocab = _logits("sample_rows", adjusted, raw)
@@ -117,6 +157,7 @@ def sample_rows(
     top_p = top_p.to(torch.float32).contiguous()
     seed_array = np.array([s & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64)
     counter = torch.tensor(counters, dtype=torch.int64)
+    bits, words, mask_vocab, masked, _keep = _mask_args("sample_rows", mask, rows, vocab)
     token = torch.empty(rows, dtype=torch.int64)
     logprob = torch.empty(rows, dtype=torch.float32)
     rejected = torch.empty(rows, dtype=torch.uint8)
@@ -131,6 +172,10 @@ def sample_rows(
         counter.data_ptr(),
         rounds,
         block,
+        bits,
+        words,
+        mask_vocab,
+        masked,
         token.data_ptr(),
         logprob.data_ptr(),
         rejected.data_ptr(),

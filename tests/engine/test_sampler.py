@@ -224,3 +224,49 @@ def test_one_pass_sampler_draws_what_the_torch_one_draws():
     )
     assert 0 < int(rejected.sum()) < 96
     assert all(rows[i].params.top_p < 1 for i in torch.nonzero(rejected).flatten().tolist())
+
+
+@pytest.mark.skipif(len(FUSED) == 1, reason="no C++ compiler")
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_grammar_mask_in_the_one_call_kernels_draws_what_the_torch_code_draws(greedy):
+    """Structured outputs' mask handed to ``sample_rows`` / ``greedy_pick`` (applied to a scratch
+    row in cache) against the torch code on the logits masked in memory: the same tokens and raw
+    log-probabilities, every constrained pick allowed by its row's bits, the logits untouched; over
+    greedy, plain and top-p rows, rows with one allowed token, and top-p rows that every rejection
+    round fails (settled on the sort path from a masked copy)."""
+    from batchgen.engine.sampler import GrammarMask
+    from batchgen_kernels.reference import token_mask_ref
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 5003
+    logits = torch.randn(48, vocab, generator=gen) * 2
+    logits[::5] *= 0.05  # nearly flat: a small nucleus rejects almost every draw
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (48, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits &= torch.randint(-(2**31), 2**31 - 1, (48, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[1::6] = -1  # all allowed
+    for r in range(2, 48, 6):  # one token allowed, the row's least likely
+        bits[r] = 0
+        t = int(logits[r].argmin())
+        bits[r, t // 32] = torch.tensor([1 << (t % 32)], dtype=torch.int64).to(torch.int32)
+    constrained = [i for i in range(48) if i % 4 != 3]
+    kinds = [SamplingParams(temperature=0)] if greedy else [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.8, top_p=0.02, logprobs=2),
+    ]
+    rows = [SampleRow(kinds[i % len(kinds)], 31 + 7 * i, i % 5, [], 0, []) for i in range(48)]
+    before = logits.clone()
+    grammar = GrammarMask(bits, constrained, lambda x, m, r: token_mask_ref(x, m, r), vocab)
+    a = sample(logits, rows, fused=True, grammar=grammar)
+    assert torch.equal(logits, before)  # masked in the kernel's scratch, not in place
+    b = sample(logits, rows, fused=False, grammar=grammar)
+    assert a.tokens == b.tokens
+    assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    for i in constrained:
+        assert (int(bits[i, a.tokens[i] // 32]) >> (a.tokens[i] % 32)) & 1, i
+    for r in range(2, 48, 6):
+        assert a.tokens[r] == int(logits[r].argmin())
+    unmasked = sample(logits, rows, fused=True)
+    assert any(unmasked.tokens[i] != a.tokens[i] for i in constrained)  # the mask changed picks

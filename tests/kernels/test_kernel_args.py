@@ -147,9 +147,12 @@ beams = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchPa
 pattern = StructuredOutputsParams(regex=r"[a-c]{2,5}\\.(x|yz)")
 constrained = llm.generate(prompts, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12,
                                                    structured_outputs=pattern), use_tqdm=False)
+constrained_beams = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                                    BeamSearchParams(beam_width=2, max_tokens=12, structured_outputs=pattern))
 print(json.dumps({
     "greedy": [o.outputs[0].token_ids for o in greedy],
     "constrained": [[c.text for c in o.outputs] for o in constrained],
+    "constrained_beams": [[s.text for s in b.sequences] for b in constrained_beams],
     "beams": [[s.tokens for s in b.sequences] for b in beams],
     "linear_backend": llm.stats()["linear_backend"],
     "calls": sorted(calls),
@@ -167,12 +170,14 @@ def run_engine(model: str, **env: str) -> dict:
 
 def test_every_kernel_sent_to_its_library_path_gives_the_same_tokens(llama_dir):
     """``BATCHGEN_LIBRARY_KERNELS`` (how scripts/kernel_ablation.py measures each kernel) swaps
-    paths, not results: greedy tokens, beams and regex-constrained samples (through the mask
-    kernel, and through xgrammar's) equal the all-compiled engine's."""
+    paths, not results: greedy tokens, beams and regex-constrained samples and beams (the mask in
+    the sampling kernel and the mask kernel, and xgrammar's) equal the all-compiled engine's."""
     compiled = run_engine(llama_dir)
     library = run_engine(llama_dir, BATCHGEN_LIBRARY_KERNELS=",".join(cpu.LIBRARY_ALTERNATIVES))
-    assert {"add_rms_norm", "rotary", "kv_write", "zero_blocks", "beam_topk", "token_mask"} <= set(compiled.pop("calls"))
-    assert all(re.fullmatch(r"[a-c]{2,5}\.(x|yz)", text) for texts in compiled["constrained"] for text in texts)
+    calls = {"add_rms_norm", "rotary", "kv_write", "zero_blocks", "beam_topk", "sample_rows", "token_mask"}
+    assert calls <= set(compiled.pop("calls"))
+    for texts in compiled["constrained"] + compiled["constrained_beams"]:
+        assert texts and all(re.fullmatch(r"[a-c]{2,5}\.(x|yz)", text) for text in texts)
     assert library.pop("calls") == []  # no compiled kernel but the GEMM's ran
     assert compiled == library and compiled["linear_backend"] == "cpu"
     unknown = subprocess.run(
