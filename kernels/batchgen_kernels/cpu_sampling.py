@@ -62,7 +62,7 @@ class RowMask(NamedTuple):
 
 def _mask_args(kernel: str, mask: RowMask | None, rows: int, vocab: int) -> tuple[int, int, int, int, tuple]:
     """The kernel's (bitmask, words, mask_vocab, masked) pointers and sizes, and the tensors to keep alive."""
-    if mask is None:
+    if mask is None or rows == 0:
         return 0, 0, 0, 0, ()
     expect(kernel, "bitmask", mask.bitmask, torch.int32, (rows, None), contiguous=True)
     words = mask.bitmask.shape[1]
@@ -200,7 +200,9 @@ def token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], voc
             f"bitmask's {bitmask.shape[1] * 32} bits"
         )
     index = torch.tensor(rows, dtype=torch.int64)
-    if len(rows) and not 0 <= int(index.min()) <= int(index.max()) < logits.shape[0]:
+    if not rows:
+        return
+    if not 0 <= int(index.min()) <= int(index.max()) < logits.shape[0]:
         raise KernelArgumentError(f"token_mask: rows must index logits' {logits.shape[0]} rows")
     load().token_mask(
         logits.data_ptr(),
