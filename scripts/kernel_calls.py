@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batchgen.engine import sampler  # noqa: E402
 from batchgen.engine.sampler import SampleRow  # noqa: E402
-from batchgen.engine.structured import StructuredOutputs  # noqa: E402
 from batchgen.model import attention, layers  # noqa: E402
 from batchgen.model.moe import swiglu  # noqa: E402
 from batchgen.model.runner import ModelRunner  # noqa: E402
@@ -92,8 +91,11 @@ def cases(cfg, rows: int, beams: int, dtype: torch.dtype = torch.float32) -> lis
     bits[::2, ::50] = 0x7FFFFFFF
     bits[1::2] = 0
     bits[1::2, :8] = 0x0F0F0F0F
-    structured = SimpleNamespace(vocab_size=vocab, mask_s=0.0, _xgr=xgrammar)  # what StructuredOutputs.apply reads
-    mask = sampler.GrammarMask(bits, list(range(rows)), lambda *a: StructuredOutputs.apply(structured, *a), vocab)
+    def xgrammar_apply(scores: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
+        # what StructuredOutputs.apply runs with token_mask on its library path
+        xgrammar.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab, indices=indices)
+
+    mask = sampler.GrammarMask(bits, list(range(rows)), xgrammar_apply, vocab)
     beam_logits = logits[:beams].contiguous()
     beam_rows, running = torch.arange(beams), torch.randn(beams, generator=g)
 

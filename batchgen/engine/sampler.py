@@ -257,17 +257,19 @@ def sample(
         kernels = fused_kernels()
         if kernels is None and fused:
             raise RuntimeError("the compiled CPU kernels are not available here")
-    one_call = kernels is not None and (all(greedy_rows) or not any(r.params.top_k > 0 or r.params.min_p for r in rows))
+    # the kernels where they pick every row in one call (greedy, plain and top-p draws)
+    one_call = kernels if all(greedy_rows) or not any(r.params.top_k > 0 or r.params.min_p for r in rows) else None
     mask = None
-    if one_call and grammar is not None and fused_kernels("token_mask") is not None and not _adjusts(rows, logits):
-        mask, grammar = kernels.RowMask(grammar.mask, grammar.rows, grammar.vocab), None  # type: ignore[union-attr]
+    if one_call is not None and grammar is not None and fused_kernels("token_mask") is not None:
+        if not _adjusts(rows, logits):
+            mask, grammar = one_call.RowMask(grammar.mask, grammar.rows, grammar.vocab), None
     x = _adjusted_logits(logits, rows, grammar)
     if kernels is not None and all(greedy_rows):  # the argmax and log-sum-exp only
         tokens, lse = kernels.greedy_pick(x, logits, mask)
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
-    if one_call and kernels is not None:
-        return _sample_in_one_pass(x, logits, rows, kernels, mask)
+    if one_call is not None:
+        return _sample_in_one_pass(x, logits, rows, one_call, mask)
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
     if kernels is not None:
         inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
@@ -317,7 +319,7 @@ def _sample_in_one_pass(
         if mask is not None:
             masked = set(mask.rows)
             index = [j for j, i in enumerate(left.tolist()) if i in masked]
-            kernels.token_mask(sub, mask.bitmask[left].contiguous(), index, mask.vocab)
+            kernels.token_mask(sub, mask.bitmask[left], index, mask.vocab)
         probs, _, lse = kernels.tempered_softmax(sub, logits[left], inv_temp[left], _BLOCK)
         sub_rows = [rows[i] for i in left.tolist()]
         no_k = torch.zeros(len(sub_rows), dtype=torch.long)

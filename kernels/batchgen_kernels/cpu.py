@@ -78,10 +78,10 @@ SIGNATURES = {
     "tempered_softmax": (_INT, [_P, _P, _I, _I, _P, _I, _P, _P, _P, _INT]),
     # probs, vocab, row_index, n, threshold, out, threads
     "mass_above": (None, [_P, _I, _P, _I, _P, _P, _INT]),
-    # adjusted, raw, rows, vocab, inv_temp, top_p, seeds, counters, rounds, block, token, logprob,
-    # rejected, threads
+    # adjusted, raw, rows, vocab, inv_temp, top_p, seeds, counters, rounds, block, bitmask, words,
+    # mask_vocab, masked, token, logprob, rejected, threads
     "sample_rows": (_INT, [_P, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _INT]),
-    # adjusted, raw, rows, vocab, token, raw_lse, threads
+    # adjusted, raw, rows, vocab, bitmask, words, mask_vocab, masked, token, raw_lse, threads
     "greedy_pick": (None, [_P, _P, _I, _I, _P, _I, _I, _P, _P, _P, _INT]),
     # logits, row stride, vocab, bitmask, words, row_index, n, threads
     "token_mask": (None, [_P, _I, _I, _P, _I, _P, _I, _INT]),

@@ -181,9 +181,7 @@ void token_mask_row(float* x, int64_t vocab, const int32_t* bits) {
     if (!((static_cast<uint32_t>(bits[j / 32]) >> (j % 32)) & 1u)) x[j] = -INFINITY;
 }
 
-// The logits a row's pick uses: ``x`` itself, or where ``mask`` gives the row's bits
-// (``mask.row(r)``), x copied to ``scratch`` with the tokens below ``mask.vocab`` that the bits do
-// not allow at -inf.
+// Structured outputs' mask as sample_rows and greedy_pick take it.
 struct RowMask {
   const int32_t* bits;     // [rows, words], or null: no row is masked
   int64_t words, vocab;
@@ -191,6 +189,8 @@ struct RowMask {
   const int32_t* row(int64_t r) const { return bits && masked[r] ? bits + r * words : nullptr; }
 };
 
+// The logits row r's pick uses: ``x`` itself, or where ``mask`` gives the row's bits, x copied to
+// ``scratch`` with the tokens below ``mask.vocab`` that the bits do not allow at -inf.
 inline const float* masked_row(const float* x, int64_t vocab, const RowMask& mask, int64_t r, float* scratch) {
   const int32_t* bits = mask.row(r);
   if (!bits) return x;
