@@ -209,6 +209,29 @@ def runnable_variants() -> list[str]:
     return [name for name, (_, needs) in variants().items() if set(needs) <= features]
 
 
+# oneDNN's and ATen's caps (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY) for a CPU of each variant
+LIBRARY_CAPS = {
+    "default": ("SSE41", "default"),
+    "avx2": ("AVX2", "avx2"),
+    "avx512": ("AVX512_CORE", "avx512"),
+    "avx512_bf16": ("AVX512_CORE_BF16", "avx512"),
+    "amx": ("ALL", "avx512"),
+}
+
+
+def emulation_env(name: str) -> dict[str, str]:
+    """The environment that makes this process stand in for a CPU of variant ``name``: the kernels
+    forced to it, and torch's oneDNN and ATen kernels capped at the same instruction set (so that
+    ``batchgen.utils.has_amx`` and the engine's choices follow). ``.ci/run`` runs the suite so on
+    every variant this CPU executes; ``python -m batchgen_kernels.cpu --env avx2`` prints it."""
+    if name not in variants():
+        raise KernelUnavailable(f"{name!r} is not a variant here (one of {', '.join(variants())})")
+    env = {"BATCHGEN_CPU_CAPABILITY": name}
+    if name in LIBRARY_CAPS:
+        env["ONEDNN_MAX_CPU_ISA"], env["ATEN_CPU_CAPABILITY"] = LIBRARY_CAPS[name]
+    return env
+
+
 def chosen_variant() -> str:
     """The variant ``load`` builds: the best this CPU runs, or ``BATCHGEN_CPU_CAPABILITY``'s."""
     runnable = runnable_variants()
@@ -337,3 +360,16 @@ def _build_and_load() -> ctypes.CDLL:
 
 
 variant: str | None = None  # the variant loaded, once ``load`` has built it
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m batchgen_kernels.cpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runnable", action="store_true", help="print the variants this CPU executes, lowest first")
+    parser.add_argument("--env", metavar="VARIANT", help="print emulation_env(VARIANT) as NAME=value words")
+    args = parser.parse_args()
+    if args.runnable:
+        print(*runnable_variants())
+    if args.env:
+        print(*(f"{k}={v}" for k, v in emulation_env(args.env).items()))

@@ -3,9 +3,9 @@
 Every variant builds warning-free (``-Wall -Wextra -Werror``), the ones this CPU cannot execute
 included, so that a build break in any of them fails CI: about three minutes on 2 cores, so
 ``.ci/run`` runs it (``BATCHGEN_BUILD_VARIANTS=1``) beside the suite. ``.ci/run`` also runs the
-kernel tests once more under each lower variant this CPU executes (``BATCHGEN_CPU_CAPABILITY``).
-Here: the variant loaded is the best this CPU executes, or the forced one, and a variant that
-cannot run is refused by name."""
+engine's, model's and kernels' tests once more as on a CPU of each lower variant this CPU executes
+(``cpu.emulation_env``). Here: the variant loaded is the best this CPU executes, or the forced one;
+a variant that cannot run is refused by name; the emulated CPU's torch kernels and AMX test follow."""
 
 from __future__ import annotations
 
@@ -63,3 +63,17 @@ def test_a_variant_this_cpu_lacks_or_an_unknown_one_is_refused_by_name():
     if missing:
         lacking = run_python(code, BATCHGEN_CPU_CAPABILITY=missing[-1])
         assert f"BATCHGEN_CPU_CAPABILITY={missing[-1]!r}: this CPU lacks" in lacking.stdout, lacking.stderr
+
+
+@pytest.mark.parametrize("name", ["default", "avx512_bf16"])
+def test_the_emulated_cpu_loads_its_variant_and_caps_torch_at_it(name):
+    if name not in cpu.runnable_variants():
+        pytest.skip(f"this CPU does not execute {name}")
+    code = (
+        "import torch\nfrom batchgen_kernels import cpu\nfrom batchgen.utils import has_amx\n"
+        "cpu.load()\nprint(cpu.variant, torch.backends.cpu.get_cpu_capability(), has_amx())"
+    )
+    res = run_python(code, **cpu.emulation_env(name))
+    assert res.returncode == 0, res.stderr
+    aten = {"default": "DEFAULT", "avx512_bf16": "AVX512"}[name]
+    assert res.stdout.split() == [name, aten, "False"], res.stdout
