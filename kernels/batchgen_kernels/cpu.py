@@ -366,10 +366,5 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m batchgen_kernels.cpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runnable", action="store_true", help="print the variants this CPU executes, lowest first")
-    parser.add_argument("--env", metavar="VARIANT", help="print emulation_env(VARIANT) as NAME=value words")
-    args = parser.parse_args()
-    if args.runnable:
-        print(*runnable_variants())
-    if args.env:
-        print(*(f"{k}={v}" for k, v in emulation_env(args.env).items()))
+    parser.add_argument("--env", metavar="VARIANT", required=True, help="print emulation_env(VARIANT) as NAME=value words")
+    print(*(f"{k}={v}" for k, v in emulation_env(parser.parse_args().env).items()))
