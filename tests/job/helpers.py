@@ -1,12 +1,18 @@
-"""Helpers for job tests: write a config, run ``python -m batchgen job`` in a subprocess, read shards."""
+"""Helpers for job tests: write a config, run ``python -m batchgen job`` in a process of its own,
+read shards."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,34 +21,157 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Modules read at import time from these variables: a process forked from the server runs with the
+# values the server started with, so a different value there needs an interpreter of its own.
+_READ_AT_IMPORT = ("BATCHGEN_", "OMP_", "MKL_", "KMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH_", "PYTHONHASHSEED")
+# What a job imports, loaded once by the server its processes fork from.
+_PRELOAD = [
+    "torch",
+    "transformers",
+    "transformers.models.auto.tokenization_auto",
+    "pandas",
+    "pyarrow.dataset",
+    "batchgen.cli",
+    "batchgen.job.runner",
+    "tests.job.helpers",
+]
+_server_env: dict[str, str] | None = None
+
+
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
+
+
+def _fork(target, args: tuple, env: dict[str, str]) -> multiprocessing.process.BaseProcess | None:
+    """``target(*args)`` in a process forked from the server (started with this process's
+    environment at the first call), or None where ``env`` differs from the server's in a variable
+    read at import time."""
+    global _server_env
+    server_env = os.environ if _server_env is None else _server_env
+    if _import_time_env(env) != _import_time_env(dict(server_env)):
+        return None
+    context = multiprocessing.get_context("forkserver")
+    if _server_env is None:
+        context.set_forkserver_preload(_PRELOAD)
+        _server_env = dict(os.environ)
+    process = context.Process(target=target, args=args)
+    process.start()
+    return process
+
+
+def _run_cli(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """The child's side of :class:`CliProcess`: what the interpreter does for ``python -m batchgen
+    ARGS`` once it has started, from the module's ``__main__`` to the exit status."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.argv = ["-m", *args]
+    try:
+        runpy.run_module("batchgen", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # join the threads, as at interpreter exit
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class CliProcess:
+    """``python -m batchgen ARGS`` in a process of its own, with ``subprocess.Popen``'s interface as
+    the tests use it (``poll``, ``wait``, ``send_signal``, ``kill``, ``communicate``, ``pid``,
+    ``returncode``; the output is text). The process is forked from a server that has already
+    imported torch, transformers and batchgen, the seconds a fresh interpreter spends before the
+    job starts; from ``batchgen/__main__.py`` on it is the CLI's own run, with its own working
+    directory, environment, signals, exit status and output. An environment that differs from the
+    server's in a variable read at import time gets a fresh interpreter instead."""
+
+    def __init__(self, args: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.args = [sys.executable, "-m", "batchgen", *args]
+        self.returncode: int | None = None
+        self._files = tempfile.TemporaryDirectory()
+        self._out, self._err = (os.path.join(self._files.name, name) for name in ("out", "err"))
+        forked = _fork(_run_cli, (list(args), str(cwd), env, self._out, self._err), env)
+        self._popen: subprocess.Popen | None = None
+        if forked is None:
+            with open(self._out, "w") as out, open(self._err, "w") as err:
+                self._popen = subprocess.Popen(self.args, stdout=out, stderr=err, env=env, cwd=cwd)
+        else:
+            self._forked = forked
+        self.pid = forked.pid if forked is not None else self._popen.pid  # type: ignore[union-attr]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self._popen is not None:
+                self.returncode = self._popen.poll()
+            elif not self._forked.is_alive():
+                self.returncode = self._forked.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._popen is not None:
+            self.returncode = self._popen.wait(timeout)
+        else:
+            self._forked.join(timeout)
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended since
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        with open(self._out) as out, open(self._err) as err:
+            return out.read(), err.read()
+
+
+def start_job(config: Path, *extra: str, env: dict[str, str] | None = None) -> CliProcess:
+    """Start ``python -m batchgen job CONFIG --no-progress EXTRA`` from the config's directory."""
+    return CliProcess(["job", str(config), "--no-progress", *extra], config.parent, env)
+
+
 def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m batchgen job CONFIG --no-progress EXTRA`` to the end. It is stopped (and the
     test fails) only after ``idle_timeout`` seconds without progress, i.e. with no change in the
     output directory: a slow or loaded machine makes a job slow, not a failure."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
-            stdout=out,
-            stderr=err,
-            text=True,
-            env=env,
-            cwd=config.parent,
-        )
-        _wait_while_progressing(proc, _output_dir(config), idle_timeout)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+    proc = start_job(config, *extra)
+    _wait_while_progressing(proc, _output_dir(config), idle_timeout)
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
 
 
-def finish_job(proc: subprocess.Popen, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
+def finish_job(proc: CliProcess, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
     """Wait for a job started with pipes to end, for as long as it makes progress in ``out_dir``;
     returns its (stdout, stderr)."""
     _wait_while_progressing(proc, out_dir, idle_timeout)
     return proc.communicate()
 
 
-def _wait_while_progressing(proc: subprocess.Popen, out_dir: Path | None, idle_timeout: float) -> None:
+def _wait_while_progressing(proc: CliProcess, out_dir: Path | None, idle_timeout: float) -> None:
     """Wait for ``proc`` to end; kill it (and raise TimeoutExpired) after ``idle_timeout`` seconds
     in which ``out_dir`` did not change."""
     last, seen = time.monotonic(), _progress(out_dir)

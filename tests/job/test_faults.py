@@ -1,4 +1,4 @@
-"""A job under faults, tried as a user would: real jobs in subprocesses on a tiny model.
+"""A job under faults, tried as a user would: real jobs, each a process of its own, on a tiny model.
 
 SIGTERM / SIGINT mid-job (finished rows flushed, one line, exit 128 + signal, resumable), a full
 disk and a read-only output directory (a small tmpfs), an input truncated while the job reads it,
@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.job.helpers import ROOT, finish_job, read_output, run_job, write_config
+from tests.job.helpers import ROOT, CliProcess, finish_job, read_output, run_job, start_job, write_config
 
 GEN = {"n": 2, "temperature": 1.0, "max_tokens": 24, "seed": 3, "ignore_eos": True}
 SLOW = {"engine": {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 256}}
@@ -37,19 +37,7 @@ def parquet_input(tmp: Path, n: int) -> dict:
     return {"path": str(path), "prompt_column": "prompt", "id_column": "id"}
 
 
-def start_job(config: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=config.parent,
-    )
-
-
-def wait_until(predicate, proc: subprocess.Popen | None = None, what: str = "") -> None:
+def wait_until(predicate, proc: CliProcess | None = None, what: str = "") -> None:
     """Wait for ``predicate`` as long as the job is alive: a slow machine makes this slow, not red."""
     while not predicate():
         if proc is not None and proc.poll() is not None:
@@ -272,7 +260,9 @@ def test_a_second_job_on_the_same_output_is_refused(tmp_path, llama_dir):
 def test_workers_of_a_sharded_job_share_a_directory_but_not_an_index(tmp_path, llama_dir):
     n = 160
     spec = parquet_input(tmp_path, n)
-    config = write_config(tmp_path, llama_dir, spec, GEN, output={"rows_per_shard": 4, "flush_seconds": 0.5}, **SLOW)
+    # two workers on one machine: a thread each, as two OpenMP pools on the same cores slow each other
+    engine = {**SLOW["engine"], "num_threads": 1}
+    config = write_config(tmp_path, llama_dir, spec, GEN, output={"rows_per_shard": 4, "flush_seconds": 0.5}, engine=engine)
     out = tmp_path / "out"
     workers = [start_job(config, "--set", f"run.shard={i}/2") for i in range(2)]
     wait_until(engine_running(out, ".batchgen/manifest-00000-of-00002.json"), workers[0], "worker 0 loaded")

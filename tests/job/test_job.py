@@ -5,11 +5,8 @@ changed config, and the OpenAI batch format in and out."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pyarrow as pa
@@ -17,7 +14,7 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from tests.job.helpers import ROOT, read_output, run_job, write_config
+from tests.job.helpers import read_output, run_job, start_job, write_config
 
 ROWS = [
     {"id": f"r{i}", "prompt": p, "extra": i}
@@ -120,14 +117,7 @@ def test_config_errors_exit_2_with_one_message(tmp_path, llama_dir):
 def _kill_and_resume(tmp_path, config, kills, rng):
     partial = []
     for _ in range(kills):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            cwd=config.parent,
-        )
+        proc = start_job(config)
         # wait (as long as the job runs) until this run has written something, then kill it at a
         # random moment
         before = len(list((tmp_path / "out").glob("part-*"))) if (tmp_path / "out").exists() else 0

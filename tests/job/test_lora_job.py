@@ -6,10 +6,7 @@ adapter makes the resume refuse."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pyarrow as pa
@@ -18,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.api.test_lora import oracle_greedy
-from tests.job.helpers import ROOT, read_output, run_job, write_config
+from tests.job.helpers import read_output, run_job, start_job, write_config
 
 pytest.importorskip("peft")
 
@@ -46,11 +43,7 @@ def _config(tmp_path, llama_dir, adapters, n):
 def test_a_job_with_adapters_per_row_equals_peft_and_resumes_after_sigkill(tmp_path, llama_dir, adapters):
     n = 36
     config, rows = _config(tmp_path, llama_dir, adapters, n)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchgen", "job", str(config), "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=config.parent, text=True,
-    )
+    proc = start_job(config)
     out = tmp_path / "out"
     while proc.poll() is None and not list(out.glob("part-*")):
         time.sleep(0.05)
