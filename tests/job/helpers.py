@@ -54,7 +54,8 @@ def _fork(target, args: tuple, env: dict[str, str]) -> multiprocessing.process.B
     if _server_env is None:
         context.set_forkserver_preload(_PRELOAD)
         _server_env = dict(os.environ)
-    process = context.Process(target=target, args=args)
+    # daemon: one a failed test left running is stopped (SIGTERM) when the tests end, not waited for
+    process = context.Process(target=target, args=args, daemon=True)
     process.start()
     return process
 
