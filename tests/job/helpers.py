@@ -3,6 +3,7 @@ read shards."""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
@@ -84,8 +85,6 @@ def _run_cli(args: list[str], cwd: str, env: dict[str, str], out: str, err: str)
         traceback.print_exc()
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]  # join the threads, as at interpreter exit
-    import atexit
-
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -98,11 +97,11 @@ class CliProcess:
     ``returncode``; the output is text). The process is forked from a server that has already
     imported torch, transformers and batchgen, the seconds a fresh interpreter spends before the
     job starts; from ``batchgen/__main__.py`` on it is the CLI's own run, with its own working
-    directory, environment, signals, exit status and output. An environment that differs from the
-    server's in a variable read at import time gets a fresh interpreter instead."""
+    directory, environment, signals, exit status and output. Where this process's environment has
+    changed since the server started in a variable read at import time, a fresh interpreter runs it."""
 
-    def __init__(self, args: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    def __init__(self, args: list[str], cwd: Path | str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         self.args = [sys.executable, "-m", "batchgen", *args]
         self.returncode: int | None = None
         self._files = tempfile.TemporaryDirectory()
@@ -112,9 +111,10 @@ class CliProcess:
         if forked is None:
             with open(self._out, "w") as out, open(self._err, "w") as err:
                 self._popen = subprocess.Popen(self.args, stdout=out, stderr=err, env=env, cwd=cwd)
+            self.pid = self._popen.pid
         else:
             self._forked = forked
-        self.pid = forked.pid if forked is not None else self._popen.pid  # type: ignore[union-attr]
+            self.pid = forked.pid
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -150,9 +150,9 @@ class CliProcess:
             return out.read(), err.read()
 
 
-def start_job(config: Path, *extra: str, env: dict[str, str] | None = None) -> CliProcess:
+def start_job(config: Path, *extra: str) -> CliProcess:
     """Start ``python -m batchgen job CONFIG --no-progress EXTRA`` from the config's directory."""
-    return CliProcess(["job", str(config), "--no-progress", *extra], config.parent, env)
+    return CliProcess(["job", str(config), "--no-progress", *extra], config.parent)
 
 
 def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.CompletedProcess:
@@ -162,7 +162,7 @@ def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.
     proc = start_job(config, *extra)
     _wait_while_progressing(proc, _output_dir(config), idle_timeout)
     out, err = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.wait(), out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def finish_job(proc: CliProcess, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
