@@ -7,7 +7,9 @@
    memory floor (bytes it must move / measured bandwidth);
 4. checks the engine paths that only exist on a GPU on a small float32 model: decode steps replayed
    through CUDA graphs against eager steps (same greedy tokens, time per step), swap preemption to
-   pinned host memory against recompute (same tokens), and times the block swap;
+   pinned host memory against recompute (same tokens), and times the block swap; every family's
+   small model against transformers; structured outputs (JSON schema), a LoRA adapter and six
+   quantized formats through the engine against the engine on the CPU;
 5. runs workloads S-gpu and B-gpu of docs/benchmarks.md (bench-1b shape, random weights, bfloat16) for
    batchgen and the transformers ``generate`` baseline;
 
@@ -204,6 +206,23 @@ def check_small_kernels(bw: float, rows: list) -> None:
     )
     nbytes = 2 * 256 * 16 * 2 * kvh * bs * d * cache.element_size()
     rows.append(kernel_row("copy_blocks 256 pairs x 16 layers", ok, ms, nbytes, bw))
+
+    # structured outputs' token mask: 256 rows of a 151,936-token vocabulary (Qwen's), every
+    # third row unconstrained (left as it was)
+    from batchgen_kernels.reference import token_mask_ref
+    from batchgen_kernels.token_mask import token_mask
+
+    r, vocab = 256, 151936
+    scores = torch.randn((r, vocab), device="cuda")
+    mask = torch.randint(-(2**31), 2**31 - 1, (r, (vocab + 31) // 32), device="cuda", dtype=torch.int32)
+    masked = [i for i in range(r) if i % 3]
+    got, want = scores.clone(), scores.clone()
+    token_mask(got, mask, masked)
+    token_mask_ref(want, mask, masked)
+    ok = bool(torch.equal(got, want))
+    ms = triton.testing.do_bench(lambda: token_mask(got, mask, masked), warmup=25, rep=200, return_mode="median")
+    nbytes = len(masked) * (2 * vocab * 4 + mask.shape[1] * 4)
+    rows.append(kernel_row("token_mask 256 rows x 151936 (2/3 masked)", ok, ms, nbytes, bw))
 
 
 def check_lora_kernels(bw: float, rows: list) -> None:
@@ -406,6 +425,109 @@ def check_families() -> dict:
     }
 
 
+def check_features(device: str = "cuda") -> dict:
+    """Structured outputs, LoRA and quantized checkpoints through the engine on ``device`` (on a
+    GPU: the Triton token mask, SGMV and quantized GEMMs), float32, greedy, against batchgen on the
+    CPU; the JSON outputs validated against their schema; the weight-only formats also against
+    transformers on the dequantized weights (W8A8 rounds its activations, so only the CPU side)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
+    from batchgen.tiny import make_adapter, make_model
+    from batchgen.tiny_quant import quantize_model
+
+    root = Path("/tmp/gpu-features")
+    src = root / "llama"
+    if not (src / "config.json").exists():
+        make_model(src, "llama", seed=3)
+    prompts = [[5], list(range(20, 57)), [(7 * i) % 380 + 3 for i in range(90)]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    result: dict = {"check": f"features on {device}, greedy: share of 3 prompts x 8 tokens equal to batchgen "
+                    "on the CPU (and to transformers where given); JSON outputs that validate"}
+
+    def tokens(path: str, params, on: str, **kw) -> tuple[list[list[int]], LLM]:
+        gen = {k: kw.pop(k) for k in ("lora_request",) if k in kw}
+        llm = LLM(path, dtype="float32", device=on, block_size=16, num_kv_blocks=128, **kw)
+        outs = llm.generate(prompts, params, use_tqdm=False, **gen)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    def share(a: list, b: list) -> float:
+        return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+    @torch.no_grad()
+    def hf_greedy(path: str) -> list[list[int]]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        outs = []
+        for p in prompts:
+            ids = list(p)
+            for _ in range(8):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outs.append(ids[len(p):])
+        return outs
+
+    def part(name: str, fn) -> None:
+        try:
+            result[name] = fn()
+        except Exception as e:  # noqa: BLE001 - one feature failing must not hide the others
+            traceback.print_exc()
+            result[name] = repr(e)
+        print(f"  {name}: {result[name]}", flush=True)
+
+    def structured() -> dict:
+        import jsonschema
+
+        schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                  "age": {"type": "integer"}, "tag": {"enum": ["red", "green"]}},
+                  "required": ["name", "age", "tag"], "additionalProperties": False}
+        spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+        got, llm = tokens(str(src), params, device)
+        cpu, _ = tokens(str(src), params, "cpu")
+        sampled = llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=60, seed=0,
+                                                       structured_outputs=spec), use_tqdm=False)
+        stopped = valid = 0
+        for out in sampled:
+            for c in out.outputs:
+                if c.finish_reason == "stop":
+                    stopped += 1
+                    try:
+                        jsonschema.validate(json.loads(c.text), schema)
+                        valid += 1
+                    except (ValueError, jsonschema.ValidationError):
+                        pass
+        return {"greedy_as_cpu": share(got, cpu), "sampled_stopped": stopped, "sampled_valid": valid}
+
+    def lora() -> dict:
+        adapter = root / "adapter"
+        if not (adapter / "adapter_config.json").exists():
+            make_adapter(adapter, src, rank=8, alpha=16, seed=1, scale=0.2)
+        req = LoRARequest("a", 1, str(adapter))
+        kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_request=[req, None, req])
+        got, _ = tokens(str(src), greedy, device, **dict(kw))
+        cpu, _ = tokens(str(src), greedy, "cpu", **dict(kw))
+        base, _ = tokens(str(src), greedy, "cpu")
+        return {"as_cpu": share(got, cpu), "adapter_changes_tokens": got[0] != base[0]}
+
+    def quantized(fmt: str, opts: dict) -> dict:
+        path = root / fmt
+        if not (path / "q" / "config.json").exists():
+            quantize_model(src, path / "q", fmt, oracle=path / "oracle", **opts)
+        got, llm = tokens(str(path / "q"), greedy, device)
+        cpu, _ = tokens(str(path / "q"), greedy, "cpu")
+        row = {"as_cpu": share(got, cpu), "paths": llm.stats()["quantized_paths"]}
+        if fmt != "ct-w8a8":
+            row["as_transformers"] = share(got, hf_greedy(str(path / "oracle")))
+        return row
+
+    part("structured outputs (JSON schema)", structured)
+    part("LoRA", lora)
+    for fmt, opts in (("gptq", dict(bits=4, group=32)), ("awq", dict(group=32, sym=False)),
+                      ("ct-int8", dict(group=-1)), ("ct-w8a8", {}), ("ct-fp8", dict(per_channel=True)),
+                      ("fp8", dict(block=(48, 48)))):
+        part(f"quantized {fmt}", functools.partial(quantized, fmt, opts))
+    return result
+
+
 def run_workloads(model_dir: str, scale: float, rows: list) -> None:
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -505,6 +627,7 @@ def main() -> None:
     section("quantized GEMM", check_quant_gemm, bw, kernels)
     section("engine paths", check_engine_paths, bw, kernels, engine_checks)
     section("families", lambda: engine_checks.append(check_families()))
+    section("structured outputs, LoRA, quantized checkpoints", lambda: engine_checks.append(check_features()))
     for r in engine_checks:
         print(json.dumps(r))
     if not args.skip_workloads:
