@@ -14,6 +14,7 @@ head_dim]`` per layer. A backend implements ``forward`` for one layer; ``TorchAt
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -143,6 +144,22 @@ def _cpu_flash_takes(q: torch.Tensor, layer: LayerAttention) -> bool:
     )
 
 
+@functools.cache
+def _cpu_flash_takes_gqa() -> bool:
+    """Whether torch's CPU flash-attention kernel takes fewer key / value heads than query heads
+    itself. Releases that do not (torch 2.6) read heads past the keys' last one and return wrong
+    values without an error; there the keys and values are repeated to the query heads first. The
+    probe's keys and values are views into larger tensors, so such reads stay inside them."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, length, 16, generator=gen) for length in (3, 5, 5))
+    got = flash(q, k[:, :2], v[:, :2], 0.0, False, scale=0.25)[0]
+    want = F.scaled_dot_product_attention(
+        q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), scale=0.25
+    )
+    return bool(torch.allclose(got, want, atol=1e-5))
+
+
 def _prefill_after_context(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -159,6 +176,9 @@ def _prefill_after_context(
     dt = torch.bfloat16 if q.dtype == torch.bfloat16 and utils.has_amx() else torch.float32
     qh = q.to(dt).transpose(0, 1)[None]  # [1, heads, n, d]
     kh, vh = keys.to(dt)[None], values.to(dt)[None]  # [1, kv_heads, ctx, d]
+    if kh.shape[1] != qh.shape[1] and not _cpu_flash_takes_gqa():
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     past = ctx - n
     o1, lse1 = flash(qh, kh[:, :, :past], vh[:, :, :past], 0.0, False, scale=scale)
     o2, lse2 = flash(qh, kh[:, :, past:], vh[:, :, past:], 0.0, True, scale=scale)

@@ -47,13 +47,19 @@ def test_blocked_prefill_equals_whole_chunks(tmp_path, monkeypatch, arch):
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("repeat", [False, True], ids=["kernel-gqa", "repeated-kv"])
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, ctx", [(1, 2), (1, 300), (7, 40), (64, 64 + 16), (300, 1000)])
-def test_chunk_after_context_equals_one_masked_call(monkeypatch, dtype, n, ctx, amx):
+def test_chunk_after_context_equals_one_masked_call(monkeypatch, dtype, n, ctx, amx, repeat):
     """Without AMX (or in float32) both calls run in float32 and the merge is rounded once; with
     AMX bfloat16 runs in bfloat16 (the kernel's products on AMX tiles), as transformers' one masked
-    bfloat16 call does, and its error is held to that call's."""
+    bfloat16 call does, and its error is held to that call's. Four query heads per kv head: on the
+    kernel's own grouped-query heads where this torch has them, and with the keys and values
+    repeated to the query heads (the path of releases whose kernel reads past the key heads)."""
+    if not repeat and not attention._cpu_flash_takes_gqa():
+        pytest.skip("this torch's CPU flash kernel does not take fewer kv heads than query heads")
+    monkeypatch.setattr(attention, "_cpu_flash_takes_gqa", lambda: not repeat)
     monkeypatch.setattr(utils, "has_amx", lambda: amx)
     gen = torch.Generator().manual_seed(n * ctx)
     q = torch.randn(n, 8, 32, generator=gen).to(dtype)
@@ -72,8 +78,11 @@ def test_chunk_after_context_equals_one_masked_call(monkeypatch, dtype, n, ctx, 
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
     elif amx:  # each call's weights and output in bf16: no worse than one masked bf16 call
+        # the keys repeated to the query heads: torch's flash kernel in every release (with
+        # enable_gqa, torch 2.6 takes another path)
+        k4, v4 = keys.repeat_interleave(4, 0), values.repeat_interleave(4, 0)
         one_call = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, scale=0.3, enable_gqa=True
+            q.transpose(0, 1)[None], k4[None], v4[None], attn_mask=visible, scale=0.3
         )[0].transpose(0, 1)
         ours, theirs = (got.double() - exact).abs(), (one_call.double() - exact).abs()
         assert ours.mean() <= 1.5 * theirs.mean() + 1e-6

@@ -86,12 +86,13 @@ def reference(q, keys, values, scale):
 
 
 def torch_kernel(q, keys, values, scale):
-    """torch's kernel on the same inputs (the flash kernel, as the torch path calls it)."""
+    """torch's kernel on the same inputs (the flash kernel, as the torch path calls it; the keys
+    repeated to the query heads, which with enable_gqa torch 2.6 sends to another path)."""
     n, ctx = q.shape[0], keys.shape[1]
     visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, scale=scale, enable_gqa=True
-    )
+    g = q.shape[1] // keys.shape[0]
+    keys, values = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=visible, scale=scale)
     return o[0].transpose(0, 1)
 
 
