@@ -375,25 +375,25 @@ def check_engine_paths(bw: float, kernel_rows: list, rows: list) -> None:
     )
 
 
+@torch.no_grad()
+def hf_greedy(path: str, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy tokens on the CPU in float32, by whole forward passes. Eager attention:
+    the reference implementation of every family (some transformers versions pick SDPA for Gemma 2,
+    which drops its attention soft-capping)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
 def check_families() -> dict:
     """Every family's small test model on the GPU (Triton attention, CUDA graphs where the model
     allows) against transformers on the CPU in float32: greedy tokens, prompts past the window."""
-    from transformers import AutoModelForCausalLM
-
     from batchgen import LLM, SamplingParams
     from batchgen.tiny import FAMILY_ARCHS, make_model
-
-    @torch.no_grad()
-    def hf_greedy(path: str, prompt: list[int], steps: int) -> list[int]:
-        # eager attention: the reference implementation of every family (some transformers
-        # versions pick SDPA for Gemma 2, which drops its attention soft-capping)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-        ids = list(prompt)
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        return ids[len(prompt) :]
 
     prompts = [[5], list(range(20, 57)), [(7 * i) % 380 + 3 for i in range(90)]]
     same = {}
@@ -430,8 +430,6 @@ def check_features(device: str = "cuda") -> dict:
     GPU: the Triton token mask, SGMV and quantized GEMMs), float32, greedy, against batchgen on the
     CPU; the JSON outputs validated against their schema; the weight-only formats also against
     transformers on the dequantized weights (W8A8 rounds its activations, so only the CPU side)."""
-    from transformers import AutoModelForCausalLM
-
     from batchgen import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
     from batchgen.tiny import make_adapter, make_model
     from batchgen.tiny_quant import quantize_model
@@ -445,25 +443,13 @@ def check_features(device: str = "cuda") -> dict:
     result: dict = {"check": f"features on {device}, greedy: share of 3 prompts x 8 tokens equal to batchgen "
                     "on the CPU (and to transformers where given); JSON outputs that validate"}
 
-    def tokens(path: str, params, on: str, **kw) -> tuple[list[list[int]], LLM]:
-        gen = {k: kw.pop(k) for k in ("lora_request",) if k in kw}
+    def tokens(path: str, params, on: str, lora_request=None, **kw) -> tuple[list[list[int]], LLM]:
         llm = LLM(path, dtype="float32", device=on, block_size=16, num_kv_blocks=128, **kw)
-        outs = llm.generate(prompts, params, use_tqdm=False, **gen)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         return [o.outputs[0].token_ids for o in outs], llm
 
     def share(a: list, b: list) -> float:
         return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
-
-    @torch.no_grad()
-    def hf_greedy(path: str) -> list[list[int]]:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-        outs = []
-        for p in prompts:
-            ids = list(p)
-            for _ in range(8):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outs.append(ids[len(p):])
-        return outs
 
     def part(name: str, fn) -> None:
         try:
@@ -485,17 +471,16 @@ def check_features(device: str = "cuda") -> dict:
         cpu, _ = tokens(str(src), params, "cpu")
         sampled = llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=60, seed=0,
                                                        structured_outputs=spec), use_tqdm=False)
-        stopped = valid = 0
-        for out in sampled:
-            for c in out.outputs:
-                if c.finish_reason == "stop":
-                    stopped += 1
-                    try:
-                        jsonschema.validate(json.loads(c.text), schema)
-                        valid += 1
-                    except (ValueError, jsonschema.ValidationError):
-                        pass
-        return {"greedy_as_cpu": share(got, cpu), "sampled_stopped": stopped, "sampled_valid": valid}
+        def validates(text: str) -> bool:
+            try:
+                jsonschema.validate(json.loads(text), schema)
+            except (ValueError, jsonschema.ValidationError):
+                return False
+            return True
+
+        stopped = [c.text for out in sampled for c in out.outputs if c.finish_reason == "stop"]
+        return {"greedy_as_cpu": share(got, cpu), "sampled_stopped": len(stopped),
+                "sampled_valid": sum(map(validates, stopped))}
 
     def lora() -> dict:
         adapter = root / "adapter"
@@ -503,8 +488,8 @@ def check_features(device: str = "cuda") -> dict:
             make_adapter(adapter, src, rank=8, alpha=16, seed=1, scale=0.2)
         req = LoRARequest("a", 1, str(adapter))
         kw = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_request=[req, None, req])
-        got, _ = tokens(str(src), greedy, device, **dict(kw))
-        cpu, _ = tokens(str(src), greedy, "cpu", **dict(kw))
+        got, _ = tokens(str(src), greedy, device, **kw)
+        cpu, _ = tokens(str(src), greedy, "cpu", **kw)
         base, _ = tokens(str(src), greedy, "cpu")
         return {"as_cpu": share(got, cpu), "adapter_changes_tokens": got[0] != base[0]}
 
@@ -516,7 +501,7 @@ def check_features(device: str = "cuda") -> dict:
         cpu, _ = tokens(str(path / "q"), greedy, "cpu")
         row = {"as_cpu": share(got, cpu), "paths": llm.stats()["quantized_paths"]}
         if fmt != "ct-w8a8":
-            row["as_transformers"] = share(got, hf_greedy(str(path / "oracle")))
+            row["as_transformers"] = share(got, [hf_greedy(str(path / "oracle"), p, 8) for p in prompts])
         return row
 
     part("structured outputs (JSON schema)", structured)
