@@ -44,6 +44,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     128 + signal number when SIGTERM / SIGINT stopped it (finished rows saved)."""
     from batchgen.job.config import ConfigError, load_job_config
     from batchgen.job.lifecycle import JobIncomplete, JobInterrupted, JobRefused
+    from batchgen.job.local_replicas import ReplicaJobRunner, machine_plan
     from batchgen.job.lock import OutputLocked
     from batchgen.job.runner import JobRunner
     from batchgen.job.sink import OutputWriteError
@@ -66,7 +67,11 @@ def cmd_job(args: argparse.Namespace) -> int:
             from batchgen.job.ray_executor import RayJobRunner
 
             runner = RayJobRunner
-        report = runner(cfg, overwrite=args.overwrite).run()
+        plan = machine_plan(cfg.run.replicas) if cfg.run.replicas != 1 and cfg.run.executor == "local" else []
+        if len(plan) > 1:
+            report = ReplicaJobRunner(cfg, args.config, args.set or [], plan, overwrite=args.overwrite).run()
+        else:
+            report = runner(cfg, overwrite=args.overwrite).run()
     except JobInterrupted as e:
         print(f"batchgen: {e}", file=sys.stderr)
         return e.exit_code

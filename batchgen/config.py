@@ -47,7 +47,8 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space_gb: float = 4.0
     cuda_graphs: bool = True
-    num_threads: int | None = None
+    num_threads: int | None = None  # default: the CPUs this process may use (batchgen/cpus.py)
+    adapt_threads: bool = True  # fewer threads while other processes use this process's CPUs
     debug_checks: bool = False
     tokenizer: str | None = None  # a tokenizer directory other than the model's
     admission_order: str = "prefix"  # "prefix": rows sharing a prefix run together; "input"

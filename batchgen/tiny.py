@@ -281,6 +281,27 @@ def make_bench_deep_model(path: str | Path) -> Path:
     return make_model(path, "llama", seed=0, **DEEP_SHAPE)
 
 
+# docs/benchmarks.md "Z": a Llama of Qwen2.5-0.5B's dimensions (about 0.5B parameters, 360M
+# outside the tied embedding)
+Z_SHAPE: dict[str, Any] = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    max_positions=4096,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+)
+
+
+def make_bench_z_model(path: str | Path) -> Path:
+    """docs/benchmarks.md "Z": Llama with Qwen2.5-0.5B's shape, vocab 151936, hidden 896,
+    intermediate 4864, 24 layers, 14 heads, 2 KV heads, tied embeddings; random weights."""
+    return make_model(path, "llama", seed=0, **Z_SHAPE)
+
+
 def make_bench_moe_model(path: str | Path) -> Path:
     """docs/benchmarks.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
     2 KV heads, 16 experts of 384, top-4 (so 4 x 384 = 1536 active, bench-56m's MLP width)."""

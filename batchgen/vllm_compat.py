@@ -179,6 +179,7 @@ class EngineArgs:
     swap_space_gb: float = 4.0
     cuda_graphs: bool = True
     num_threads: int | None = None
+    adapt_threads: bool = True
     debug_checks: bool = False
     tokenizer: str | None = None
     admission_order: str = "prefix"

@@ -82,13 +82,14 @@ class Workload:
     moe: bool = False  # runs on the mixture-of-experts bench model
     deep: bool = False  # runs on the deep narrow bench model (workload R)
     long: bool = False  # runs on bench-56m with a 32k context (workload L)
+    z: bool = False  # runs on bench-z, Qwen2.5-0.5B's shape (workload Z)
     engine: dict = field(default_factory=dict)  # engine settings of this workload
     baseline_batch_sizes: list[int] | None = None  # instead of --baseline-batch-sizes
     schema: dict | None = None  # structured outputs: every completion follows this JSON schema (J)
     ignore_eos: bool = True  # False: a completion may end early, and only its own tokens count
 
 
-def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> list[Workload]:
+def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152, vocab_z: int = 151936) -> list[Workload]:
     out = []
     rng = np.random.default_rng(0)
 
@@ -106,6 +107,22 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152) -> lis
         out.append(n_best("S", rng, "n-best sampling n=8"))
     if "A" in names:  # S's very prompts, round-robin over four LoRA adapters
         out.append(n_best("A", np.random.default_rng(0), "S's requests over 4 rank-16 LoRA adapters"))
+    if "Z" in names:  # 32 prompts of 64-256 tokens, n=4, on bench-z (Qwen2.5-0.5B's shape)
+        generator = np.random.default_rng(6)
+        lens = generator.integers(64, 257, size=32)
+        out.append(
+            Workload(
+                "Z",
+                [generator.integers(VOCAB_LOW, vocab_z, size=int(n)).tolist() for n in lens],
+                "sample",
+                [64] * 32,
+                n=4,
+                temperature=0.8,
+                top_p=0.95,
+                notes="Qwen2.5-0.5B's shape (bench-z), n=4 sampling",
+                z=True,
+            )
+        )
     for name in [x for x in ("R", "Q") if x in names]:  # 32 prompts of 32-256 tokens, n=4, deep narrow model
         generator = np.random.default_rng(3)
         lens = generator.integers(32, 257, size=32)
@@ -435,9 +452,11 @@ def in_fresh_process(fn, *args):
 
 
 def run_batchgen(
-    model_dir: str, w: Workload, threads: int, settings: dict | None = None, dtype: str = "float32", extra=None
+    model_dir: str, w: Workload, threads: int, settings: dict | None = None, dtype: str = "float32", extra=None,
+    ready=None,
 ) -> dict:
-    """``extra(llm)``: more figures of the run, taken after it."""
+    """``extra(llm)``: more figures of the run, taken after it. ``ready()``: called once the engine
+    is warm, right before the timing (scripts/bench_contention.py starts replicas together)."""
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     torch.set_num_threads(threads)
@@ -475,15 +494,19 @@ def run_batchgen(
     llm.generate([w.prompts[0][:16]], SamplingParams(max_tokens=2, structured_outputs=warm), use_tqdm=False)
     before = {k: v for k, v in llm.stats().items() if k.startswith("grammar_")}
     llm.engine.reset_stats()
+    if ready is not None:
+        ready()
     t0 = time.perf_counter()
     outs = llm.generate(w.prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    wall = t1 - t0
     gen = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert gen == useful_tokens(w) or not w.ignore_eos, (gen, useful_tokens(w))
     stats = {k: v - before[k] if k in before else v for k, v in llm.stats().items()}  # this run's grammars
     prompt_tokens = sum(len(p) for p in w.prompts)
     return {
         "wall_s": wall,
+        "start_end": (t0, t1),
         "generated_tokens": gen,
         "tokens_per_s": gen / wall,
         "prefill_tokens_per_s": prompt_tokens / stats["prefill_s"] if stats["prefill_s"] else None,
@@ -657,6 +680,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/bench-56m")
     ap.add_argument("--moe-model", default="models/bench-moe", help="the model of workload M")
     ap.add_argument("--deep-model", default="models/bench-deep", help="the model of workload R")
+    ap.add_argument("--z-model", default="models/bench-z", help="the model of workload Z")
     ap.add_argument("--long-model", default="models/bench-56m-32k", help="the model of workload L")
     ap.add_argument("--gpt-oss-model", default="models/bench-gpt-oss", help="the model of workload QX")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' dtype")
@@ -686,12 +710,18 @@ def main() -> None:
         key, _, value = item.partition("=")
         settings[key] = int(value) if value.lstrip("-").isdigit() else value
     names = [x.upper() for x in args.workloads]
-    from batchgen.tiny import make_bench_deep_model, make_bench_model, make_bench_moe_model
+    from batchgen.tiny import (
+        make_bench_deep_model,
+        make_bench_model,
+        make_bench_moe_model,
+        make_bench_z_model,
+    )
 
     for path, make, wanted in (
-        (args.model, make_bench_model, set(names) - {"M", "R", "L"}),
+        (args.model, make_bench_model, set(names) - {"M", "R", "L", "Z"}),
         (args.moe_model, make_bench_moe_model, {"M"} & set(names)),
         (args.deep_model, make_bench_deep_model, {"R", "Q"} & set(names)),
+        (args.z_model, make_bench_z_model, {"Z"} & set(names)),
         (args.long_model, lambda p: make_bench_model(p, max_positions=32768), {"L"} & set(names)),
     ):
         if wanted and not (Path(path) / "config.json").exists():
@@ -705,6 +735,8 @@ def main() -> None:
             if w.moe
             else args.deep_model
             if w.deep
+            else args.z_model
+            if w.z
             else args.long_model
             if w.long
             else args.model

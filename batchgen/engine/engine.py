@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.cpus import omp_wait_policy
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, logprob_entries, sample
@@ -607,6 +608,10 @@ class LLMEngine:
             "rope_recomputes": self.scheduler.num_rope_recomputes,
             "linear_backend": self.runner.model.lm_head.backend,
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
+            "num_threads": self.runner.threads.count,
+            "num_threads_reason": self.runner.threads.reason,
+            "omp_wait_policy": omp_wait_policy(),
+            **self._shared_core_stats(),
             **self._stats.kv_figures(),
             **self._stats.step_figures(),
             "runner_prepare_s": tm.prepare + tm.copy,
@@ -618,6 +623,15 @@ class LLMEngine:
             **self._lora_stats(),
             **self._quant_stats(),
         }
+
+    def _shared_core_stats(self) -> dict[str, float | int]:
+        """Threads while other processes share the CPUs (``adapt_threads``): the count now, the CPUs
+        the others used over the last second, the seconds run with fewer threads."""
+        shared = self.runner.shared_cores
+        if shared is None:
+            return {"threads_now": self.runner.threads.count, "others_cpus": 0.0, "reduced_threads_s": 0.0}
+        return {"threads_now": shared.threads, "others_cpus": round(shared.others, 2),
+                "reduced_threads_s": round(shared.reduced_s, 2)}
 
     def _quant_stats(self) -> dict[str, str]:
         """The checkpoint's quantization and how many projections took each path (``quant.py``)."""

@@ -62,6 +62,9 @@ class RunConfig:
     # a job whose output has more failed rows than this share exits 1 (its rows are kept)
     max_failed_fraction: float = 0.5
     executor: str = "local"  # "local": this process; "ray": a pool of engine actors on Ray Data
+    # engines of a local job, each a sharded worker on its own CPUs: a number, or "auto" (one per
+    # NUMA node the job may use); batchgen/job/local_replicas.py
+    replicas: int | str = 1
 
 
 EXECUTORS = ("local", "ray")
@@ -358,6 +361,14 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             parse_shard(run.shard)
         except ValueError as e:
             problems.append(f"run.shard: {e}")
+    if run.replicas != "auto" and (
+        not isinstance(run.replicas, int) or isinstance(run.replicas, bool) or run.replicas < 1
+    ):
+        problems.append(f"run.replicas: must be an integer >= 1 or auto, got {run.replicas!r}")
+    elif run.replicas != 1 and run.shard is not None:
+        problems.append("run.replicas: a sharded worker (run.shard) runs one engine; drop one of the two")
+    elif run.replicas != 1 and run.executor == "ray":
+        problems.append("run.replicas: a Ray job sets its engines with ray.num_replicas; drop run.replicas")
     if run.executor not in EXECUTORS:
         problems.append(f"run.executor: must be one of {', '.join(EXECUTORS)}, got {run.executor!r}")
     elif run.executor == "ray" and run.shard is not None:

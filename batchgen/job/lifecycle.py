@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from tqdm.auto import tqdm
 from batchgen.job.report import JobReport
 from batchgen.job.sink import atomic_write_bytes
 
+PROGRESS_ENV = "BATCHGEN_PROGRESS_LINES"  # set for a replica of a local job: progress as lines, no bar
+PROGRESS_PREFIX = "batchgen-progress "
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} rows [{elapsed}{postfix}]"
 
 
@@ -75,8 +78,11 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def progress_bar(total: int | None, initial: int, desc: str, enabled: bool) -> tqdm:
-    """The job's bar: rows done of the rows to do, the rows earlier runs finished included."""
+def progress_bar(total: int | None, initial: int, desc: str, enabled: bool) -> Any:
+    """The job's bar: rows done of the rows to do, the rows earlier runs finished included. A
+    replica of a local job (``run.replicas``) reports to the job that started it instead."""
+    if os.environ.get(PROGRESS_ENV):
+        return ProgressLines(total, initial)
     return tqdm(
         total=total,
         initial=initial,
@@ -88,11 +94,38 @@ def progress_bar(total: int | None, initial: int, desc: str, enabled: bool) -> t
     )
 
 
-def show_progress(bar: tqdm, tokens: int, rate: float, eta_s: float | None, in_flight: int | None = None) -> None:
+def show_progress(bar: Any, tokens: int, rate: float, eta_s: float | None, in_flight: int | None = None) -> None:
     """The bar's tail: rows in flight (where the executor knows them), tokens generated, the rate, the ETA."""
+    bar.tokens = tokens
     parts = [] if in_flight is None else [f"{in_flight} in flight"]
     parts.append(f"{tokens} tokens, {rate:.0f} tok/s" + ("" if eta_s is None else f", ETA {clock(eta_s)}"))
     bar.set_postfix_str(", ".join(parts), refresh=True)
+
+
+class ProgressLines:
+    """A replica's stand-in for the progress bar: ``batchgen-progress ROWS TOKENS`` lines on stdout
+    (at most twice a second, and at the end) for the job that started it."""
+
+    def __init__(self, total: int | None, initial: int) -> None:
+        self.total, self.n, self.tokens = total, initial, 0
+        self._shown = 0.0
+        self._emit(force=True)
+
+    def update(self, rows: int = 1) -> None:
+        self.n += rows
+        self._emit()
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self._emit()
+
+    def close(self) -> None:
+        self._emit(force=True)
+
+    def _emit(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._shown >= 0.5:
+            self._shown = now
+            print(f"{PROGRESS_PREFIX}{self.n} {self.tokens}", flush=True)
 
 
 def clock(seconds: float) -> str:

@@ -8,6 +8,8 @@ never leaves a stale lock behind:
   so the workers of one job can share a directory but a plain job cannot join them.
 * ``lock-IIIII-of-NNNNN``: a sharded worker holds its own index's lock exclusively, so two workers
   of the same index never write at once.
+
+A local job on several replicas (``run.replicas``) holds ``lock`` shared, as its workers do.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ class OutputLocked(RuntimeError):
 
 
 class OutputLock:
-    def __init__(self, out_dir: Path, shard: tuple[int, int] | None) -> None:
+    def __init__(self, out_dir: Path, shard: tuple[int, int] | None, shared: bool = False) -> None:
         self.dir = out_dir
         self.shard = shard
+        self.shared = shared  # ``lock`` alone, shared: the parent of a local job's replicas
         self._fds: list[int] = []
 
     def acquire(self) -> None:
@@ -35,7 +38,9 @@ class OutputLock:
         except OSError as e:
             raise OutputWriteError(self.dir, e) from e
         try:
-            if self.shard is None:
+            if self.shared:
+                self._take("lock", fcntl.LOCK_SH, "an unsharded batchgen job is writing to this output directory")
+            elif self.shard is None:
                 self._take("lock", fcntl.LOCK_EX, "another batchgen job is writing to this output directory")
             else:
                 i, n = self.shard

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -119,14 +120,14 @@ class EngineReplica:
     output rows (``__call__``, Ray Data's callable-class protocol)."""
 
     def __init__(self, cfg: JobConfig, openai_in: bool = False, id_key: str | None = None) -> None:
-        import torch
-
         from batchgen.engine.engine import LLMEngine
 
-        torch.set_num_threads(max(1, int(cfg.ray.cpus_per_replica)))
         self.cfg = cfg
         self.id_key = id_key
-        self.engine = LLMEngine(cfg.engine_config())
+        settings = cfg.engine_config()
+        if settings.num_threads is None:  # as many threads as the CPUs Ray gave the actor
+            settings = replace(settings, num_threads=max(1, int(cfg.ray.cpus_per_replica)))
+        self.engine = LLMEngine(settings)
         for lora in cfg.lora.requests().values():  # every adapter read and checked before any row
             self.engine.add_lora(lora)
         self.tokenizer = self.engine.tokenizer

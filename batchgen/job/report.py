@@ -73,6 +73,8 @@ class JobReport:
             f"  tokens in / out              {self.prompt_tokens} / {self.generated_tokens}",
             f"  wall time                    {self.wall_s:.1f} s   ({d['generated_tokens_per_s']:.1f} generated tokens/s)",
             f"  prefix-cache hit rate        {d['prefix_cache_hit_rate']:.1%}",
+            f"  threads                      {self.engine.get('num_threads', '?')}   "
+            f"({self.engine.get('num_threads_reason', 'not recorded')}; {self.engine.get('omp_wait_policy', '')})",
             f"  prompt tokens computed       {d['prompt_tokens_computed']}"
             + (
                 f"   (each distinct prompt block once: {self.prompt_tokens_perfect_order})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import shutil
 import threading
 import time
@@ -62,6 +63,39 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
     return out
 
 
+_LAYOUT = re.compile(r"^\.?(?:part|manifest|report)(-\d{5}-of-(\d{5}))?[-.]")
+
+
+def _layout_of(name: str) -> int | None | bool:
+    """The worker count a shard, manifest or report file belongs to (None: an unsharded job's);
+    False for other files."""
+    m = _LAYOUT.match(name)
+    if m is None:
+        return False
+    return int(m.group(2)) if m.group(1) else None
+
+
+def check_layout(out_dir: Path, workers: int | None, overwrite: bool) -> None:
+    """Refuse an output holding shards of another worker count (None: an unsharded job), or with
+    ``overwrite`` remove them: a shard names its worker, so workers of another count would compute
+    the same rows again under other names."""
+    meta = out_dir / BOOKKEEPING_DIR
+    others = {_layout_of(p.name) for p in meta.glob("manifest*.json")} - {workers, False}
+    if not others:
+        return
+    held = ", ".join(sorted("one engine" if n is None else f"{n} workers" for n in others))
+    if not overwrite:
+        mine = "one engine" if workers is None else f"{workers} workers (run.shard or run.replicas)"
+        raise JobRefused(
+            f"output directory {str(out_dir)!r} holds a run of {held}; a run of {mine} would write its "
+            "rows again. Rerun with the same workers, --overwrite to discard it, or another output.path"
+        )
+    for folder in (out_dir, meta):
+        for path in folder.iterdir():
+            if path.is_file() and _layout_of(path.name) in others:
+                path.unlink()
+
+
 class JobRunner:
     """One job on this machine. ``engine``: an engine already loaded with the job's model and
     engine settings, to run several jobs in one process (the row-path tests); by default the job
@@ -92,6 +126,7 @@ class JobRunner:
     def _prepare_output(self) -> ShardSink:
         """Refuse a directory holding another config's run (or clear it with ``--overwrite``),
         remove what an earlier crash left half-written, and open the shard sink."""
+        check_layout(self.out_dir, None if self.shard is None else self.shard[1], self.overwrite)
         fingerprint = self.cfg.fingerprint()
         previous = next((p for p in (self.manifest_path, self.legacy_manifest) if p.exists()), None)
         if previous is not None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.cpus import SharedCores, affinity_cpus, choose_threads
 from batchgen.model.attention import (
     AttentionMetadata,
     CacheShape,
@@ -91,8 +92,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        # the CPUs this process may use (affinity mask, cgroup quota) unless a setting names a count;
+        # the compiled kernels read torch's count
+        self.threads = choose_threads(cfg.num_threads)
+        torch.set_num_threads(self.threads.count)
+        # fewer threads while other processes take part of these CPUs (``adapt_threads``)
+        self.shared_cores = (
+            SharedCores(affinity_cpus(), self.threads.count)
+            if cfg.adapt_threads and self.device.type == "cpu" and self.threads.count > 1
+            else None
+        )
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = DecoderModel(
@@ -236,6 +245,10 @@ class ModelRunner:
         and every token's logits for the chunks that ask (``Chunk.all_logits``).
         ``apply_block_ops`` runs first."""
         t0 = time.perf_counter()
+        if self.shared_cores is not None:
+            threads = self.shared_cores.update()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         self.apply_block_ops(batch)
         t1 = time.perf_counter()
         lay = self._layout(batch.chunks)

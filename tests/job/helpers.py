@@ -39,8 +39,12 @@ _PRELOAD = [
 _server_env: dict[str, str] | None = None
 
 
+# ... except these, read when a job runs
+_READ_AT_RUN = ("BATCHGEN_PROGRESS_LINES",)
+
+
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT) and k not in _READ_AT_RUN}
 
 
 def _fork(target, args: tuple, env: dict[str, str]) -> multiprocessing.process.BaseProcess | None:
@@ -100,8 +104,8 @@ class CliProcess:
     directory, environment, signals, exit status and output. Where this process's environment has
     changed since the server started in a variable read at import time, a fresh interpreter runs it."""
 
-    def __init__(self, args: list[str], cwd: Path | str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    def __init__(self, args: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.args = [sys.executable, "-m", "batchgen", *args]
         self.returncode: int | None = None
         self._files = tempfile.TemporaryDirectory()
@@ -144,15 +148,31 @@ class CliProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def stdout_so_far(self) -> str:
+        try:
+            with open(self._out) as out:
+                return out.read()
+        except FileNotFoundError:  # the forked child has not opened it yet
+            return ""
+
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
         with open(self._out) as out, open(self._err) as err:
             return out.read(), err.read()
 
 
-def start_job(config: Path, *extra: str) -> CliProcess:
-    """Start ``python -m batchgen job CONFIG --no-progress EXTRA`` from the config's directory."""
-    return CliProcess(["job", str(config), "--no-progress", *extra], config.parent)
+def start_job(config: Path, *extra: str, progress_lines: bool = False) -> CliProcess:
+    """Start ``python -m batchgen job CONFIG --no-progress EXTRA`` from the config's directory.
+    ``progress_lines``: the job prints its progress as lines on stdout (``rows_done`` reads them),
+    as a replica of a local job does."""
+    env = {"BATCHGEN_PROGRESS_LINES": "1"} if progress_lines else None
+    return CliProcess(["job", str(config), "--no-progress", *extra], config.parent, env)
+
+
+def rows_done(proc: CliProcess) -> int:
+    """Rows a job started with ``progress_lines`` has finished (written or not), by its last line."""
+    lines = [x for x in proc.stdout_so_far().splitlines() if x.startswith("batchgen-progress ")]
+    return int(lines[-1].split()[1]) if lines else 0
 
 
 def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.CompletedProcess:
