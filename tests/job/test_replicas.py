@@ -121,7 +121,7 @@ def test_another_replica_count_on_the_same_output_is_refused(tmp_path, llama_dir
     assert run_job(cfg).returncode == 0
     res = run_job(cfg, "--set", "run.replicas=1")  # the default path: one engine
     assert res.returncode == 2 and "2 workers" in res.stderr, res.stderr
-    res = run_job(cfg, "--set", "run.replicas=3")
+    res = run_job(cfg, "--set", "run.replicas=1", "--set", "run.shard=0/3")  # a worker of a 3-worker job
     assert res.returncode == 2 and "2 workers" in res.stderr, res.stderr
     res = run_job(cfg, "--set", "run.replicas=2")  # the same count: nothing to do, no model loaded
     assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr
