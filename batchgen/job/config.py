@@ -143,6 +143,14 @@ class JobConfig:
         return EngineConfig.from_kwargs(self.model, **{**self.engine, **self.lora.engine_settings()})
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
+        """(See below.) Keys whose results a job cannot write are refused (``unwritten``)."""
+        params = self._params(overrides)
+        problem = unwritten(params)
+        if problem is not None:
+            raise ValueError(problem)
+        return params
+
+    def _params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         """The generation parameters with a row's overrides. A row that gives ``beam_width`` in a
         sampling job runs beam search, keeping only the settings the two share (``max_tokens``,
         ``min_tokens``, ``stop_token_ids``, ``ignore_eos``)."""
@@ -261,6 +269,19 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
         return None
 
 
+def unwritten(params: SamplingParams | BeamSearchParams | dict[str, Any]) -> str | None:
+    """A generation key the job would compute but cannot write (its output has no column for it),
+    named so that it is refused instead of silently dropped; None when there is none."""
+    for key in ("logprobs", "prompt_logprobs"):
+        value = params.get(key) if isinstance(params, dict) else getattr(params, key, None)
+        if value is not None:
+            return (
+                f"{key}: a job's output has no per-token log-probabilities (each completion keeps "
+                f"cumulative_logprob); drop {key}, or use LLM.generate for them"
+            )
+    return None
+
+
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
     """``"INDEX/COUNT"`` -> ``(INDEX, COUNT)``; None for an unsharded job."""
     if spec is None:
@@ -333,6 +354,8 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     gen = _mapping(
         data, "generation", problems, lambda v: (BeamSearchParams if "beam_width" in v else SamplingParams).from_dict(v)
     )
+    if (problem := unwritten(gen)) is not None:
+        problems.append(f"generation.{problem}")
     if inp is not None:
         _check_input(inp, problems)
         if inp.lora_column and not lora.adapters:

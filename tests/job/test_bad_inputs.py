@@ -113,6 +113,26 @@ def test_an_output_path_that_is_a_file_is_refused_with_the_config(tmp_path, llam
     assert "invalid job config" in res.stderr
 
 
+def test_a_generation_key_the_output_cannot_hold_is_refused_not_dropped(tmp_path, llama_dir):
+    """``logprobs`` / ``prompt_logprobs`` have no output column: in ``generation`` they refuse the
+    job (exit 2, before the model loads); in a row's parameters they are that row's error."""
+    data = tmp_path / "in.parquet"
+    params = ['{"logprobs": 3}', None, '{"prompt_logprobs": 1}']
+    pq.write_table(pa.table({"id": [0, 1, 2], "prompt": ["a b", "c d", "e f"], "params": params}), data)
+    spec = {"path": str(data), "prompt_column": "prompt", "id_column": "id", "params_column": "params"}
+    for key in ("logprobs", "prompt_logprobs"):
+        config = write_config(tmp_path, llama_dir, spec, {**GEN, key: 2}, name=f"{key}.yaml")
+        res = run_job(config)
+        assert res.returncode == 2 and f"generation.{key}: a job's output has no per-token" in res.stderr, res.stderr
+        assert not (tmp_path / "out").exists()
+    config = write_config(tmp_path, llama_dir, spec, GEN, run={"max_failed_fraction": 1.0})
+    assert run_job(config).returncode == 0
+    out = {r["id"]: r["error"] for r in read_output(tmp_path / "out")}
+    assert out[1] is None
+    assert out[0].startswith("params: logprobs: a job's output has no per-token log-probabilities"), out[0]
+    assert out[2].startswith("params: prompt_logprobs: "), out[2]
+
+
 def test_openai_output_lines_survive_any_line_reader(tmp_path, llama_dir):
     """U+2028, U+2029 and NEL are legal unescaped in JSON, and line readers such as Python's
     str.splitlines split on them: the response lines escape them."""
