@@ -143,23 +143,19 @@ class JobConfig:
         return EngineConfig.from_kwargs(self.model, **{**self.engine, **self.lora.engine_settings()})
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
-        """(See below.) Keys whose results a job cannot write are refused (``unwritten``)."""
-        params = self._params(overrides)
-        problem = unwritten(params)
-        if problem is not None:
-            raise ValueError(problem)
-        return params
-
-    def _params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         """The generation parameters with a row's overrides. A row that gives ``beam_width`` in a
         sampling job runs beam search, keeping only the settings the two share (``max_tokens``,
-        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``)."""
+        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``). Keys whose results a job cannot write
+        are refused (``unwritten``)."""
         overrides = overrides or {}
         base = self.generation
         if "beam_width" in overrides and "beam_width" not in base:
             shared = {f.name for f in fields(BeamSearchParams)}
             base = {k: v for k, v in base.items() if k in shared}
         values = {**base, **overrides}
+        problem = unwritten(values)
+        if problem is not None:
+            raise ValueError(problem)
         return (
             BeamSearchParams.from_dict(values) if "beam_width" in values else SamplingParams.from_dict(values)
         )
@@ -269,12 +265,11 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
         return None
 
 
-def unwritten(params: SamplingParams | BeamSearchParams | dict[str, Any]) -> str | None:
+def unwritten(generation: dict[str, Any]) -> str | None:
     """A generation key the job would compute but cannot write (its output has no column for it),
     named so that it is refused instead of silently dropped; None when there is none."""
     for key in ("logprobs", "prompt_logprobs"):
-        value = params.get(key) if isinstance(params, dict) else getattr(params, key, None)
-        if value is not None:
+        if generation.get(key) is not None:
             return (
                 f"{key}: a job's output has no per-token log-probabilities (each completion keeps "
                 f"cumulative_logprob); drop {key}, or use LLM.generate for them"

@@ -6,8 +6,7 @@ CPUs (one NUMA node each with ``replicas: auto``) and as many threads. Its weigh
 first touched by threads on its own CPUs, so Linux's default (local) memory policy places them on
 its node. Each worker keeps its own shards, manifest and locks, resumes them on a rerun and dies
 with this process (``PR_SET_PDEATHSIG``); this process shows one progress bar from the workers'
-progress lines, forwards SIGTERM / SIGINT to them, checks the union with ``verify`` and prints
-one report.
+progress lines, forwards SIGTERM / SIGINT to them and prints one report, their reports summed.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.cpus import affinity_cpus, cgroup_quota, numa_nodes
-from batchgen.job.config import ConfigError, JobConfig, detect_format, input_files
+from batchgen.job.config import ConfigError, JobConfig
 from batchgen.job.lifecycle import (
     PROGRESS_ENV,
     PROGRESS_PREFIX,
@@ -39,9 +38,8 @@ from batchgen.job.lifecycle import (
 )
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.runner import check_layout
+from batchgen.job.runner import check_layout, job_rows, output_id_key
 from batchgen.job.sink import ShardSink, atomic_write_bytes
-from batchgen.job.source import count_rows
 
 _PR_SET_PDEATHSIG = 1
 
@@ -94,15 +92,6 @@ def machine_plan(spec: int | str) -> list[Replica]:
     return plan_replicas(spec, affinity_cpus(), None if quota is None else quota.cpus, numa_nodes())
 
 
-def job_rows(cfg: JobConfig) -> int | None:
-    """Rows the whole job produces: the input's, after ``limit`` (None where it cannot be counted)."""
-    files = input_files(cfg.input.path)
-    total = count_rows(files, detect_format(cfg.input, files))
-    if total is not None and cfg.input.limit is not None:
-        total = min(total, cfg.input.limit)
-    return total
-
-
 def _pin_and_tie(cpus: tuple[int, ...]):
     """Run in the replica between fork and exec: its CPUs, and SIGKILL when this process dies."""
 
@@ -124,6 +113,7 @@ class ReplicaJobRunner:
         self.out_dir = Path(cfg.output.path)
         self.meta = self.out_dir / ".batchgen"
         self.tags = [f"-{i:05d}-of-{self.count:05d}" for i in range(self.count)]
+        self.sinks: list[ShardSink] = []  # each replica's shards, read (never written) by this process
 
     def _command(self, index: int) -> list[str]:
         sets = [arg for s in self.sets for arg in ("--set", s)]
@@ -134,6 +124,9 @@ class ReplicaJobRunner:
     def run(self) -> JobReport:
         with OutputLock(self.meta, None, shared=True), StopSignals() as signals:
             check_layout(self.out_dir, self.count, self.overwrite)
+            fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
+            key = output_id_key(self.cfg)
+            self.sinks = [ShardSink(self.out_dir, fmt, key, prefix=f"part{tag}", clean=False) for tag in self.tags]
             done = self._done_report()
             return done if done is not None else self._run(signals)
 
@@ -193,7 +186,7 @@ class ReplicaJobRunner:
         return self._finish([p.returncode for p in procs], errors, signals, time.perf_counter() - t0)
 
     def _finish(self, codes: list[int], errors: list[list[str]], signals: StopSignals, wall: float) -> JobReport:
-        saved = sum(self._sink(i).totals()[0] for i in range(self.count))
+        saved = sum(sink.totals()[0] for sink in self.sinks)
         if signals.received is not None:
             raise interrupted(signals.received, saved, self.out_dir)
         failed = [(i, c) for i, c in enumerate(codes) if c != 0]
@@ -212,26 +205,20 @@ class ReplicaJobRunner:
             raise JobIncomplete(f"{message}; {saved} rows saved in {self.out_dir}; rerun the same command to resume")
         return self._report(wall)
 
-    def _sink(self, index: int) -> ShardSink:
-        files = input_files(self.cfg.input.path)
-        id_key = "custom_id" if detect_format(self.cfg.input, files) == "openai" else (self.cfg.input.id_column or "row_index")
-        fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
-        return ShardSink(self.out_dir, fmt, id_key, prefix=f"part{self.tags[index]}", clean=False)
-
     def _done_report(self) -> JobReport | None:
         """With every row already in the replicas' shards, the saved report of the run that wrote
         them, marked as nothing to do (no replica starts, no model loads); else None."""
         total = job_rows(self.cfg)
         if total is None or not self.meta.is_dir():
             return None
-        done = sum(len(self._sink(i).done_ids()) for i in range(self.count))
+        done = sum(len(sink.done_ids()) for sink in self.sinks)
         if done < total:
             return None
         try:
             report = JobReport.from_dict(json.loads((self.meta / "report.json").read_text()))
         except (OSError, ValueError, TypeError):
             report = JobReport(rows_total=total)
-        totals = [self._sink(i).totals() for i in range(self.count)]
+        totals = [sink.totals() for sink in self.sinks]
         report.rows_in_output, report.failed_in_output = sum(t[0] for t in totals), sum(t[1] for t in totals)
         report.nothing_to_do = done
         return report

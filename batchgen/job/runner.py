@@ -96,6 +96,22 @@ def check_layout(out_dir: Path, workers: int | None, overwrite: bool) -> None:
                 path.unlink()
 
 
+def job_rows(cfg: JobConfig) -> int | None:
+    """Rows the whole job produces: the input's, after ``limit`` (None where it cannot be counted)."""
+    files = input_files(cfg.input.path)
+    total = count_rows(files, detect_format(cfg.input, files))
+    if total is not None and cfg.input.limit is not None:
+        total = min(total, cfg.input.limit)
+    return total
+
+
+def output_id_key(cfg: JobConfig) -> str:
+    """The column that keys an output row: ``custom_id`` for OpenAI batch input, else the id
+    column, else ``row_index``."""
+    files = input_files(cfg.input.path)
+    return "custom_id" if detect_format(cfg.input, files) == "openai" else (cfg.input.id_column or "row_index")
+
+
 class JobRunner:
     """One job on this machine. ``engine``: an engine already loaded with the job's model and
     engine settings, to run several jobs in one process (the row-path tests); by default the job
@@ -350,9 +366,7 @@ class JobRunner:
 
     def _count_input_rows(self) -> int | None:
         """Rows this job (or worker) should produce: the input's, after ``limit`` and ``shard``."""
-        total = count_rows(self.files, self.fmt)
-        if total is not None and self.cfg.input.limit is not None:
-            total = min(total, self.cfg.input.limit)
+        total = job_rows(self.cfg)
         if total is not None and self.shard is not None:
             i, n = self.shard
             total = len(range(i, total, n))
