@@ -2,8 +2,17 @@
 
 from batchgen.engine.engine import LLMEngine
 from batchgen.llm import LLM
-from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, StructuredOutputsParams
+from batchgen.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    ContinuationScore,
+    Logprob,
+    RequestOutput,
+    ScoreOutput,
+    TokenLogprobs,
+)
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams, StructuredOutputsParams
 from batchgen.utils import FlexibleArgumentParser
 from batchgen.vllm_compat import EngineArgs
 
@@ -18,6 +27,10 @@ __all__ = [
     "Logprob",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "ScoreParams",
+    "ScoreOutput",
+    "ContinuationScore",
+    "TokenLogprobs",
     "LLMEngine",
     "EngineArgs",
     "FlexibleArgumentParser",

@@ -17,8 +17,15 @@ from batchgen import metrics
 from batchgen.config import EngineConfig
 from batchgen.engine.admission import admission_plan
 from batchgen.engine.engine import LLMEngine
-from batchgen.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
+from batchgen.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ContinuationScore,
+    RequestOutput,
+    ScoreOutput,
+)
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
+from batchgen.scoring import as_continuation_list, continuation_ids
 from batchgen.vllm_compat import from_vllm_kwargs, from_vllm_prompt
 
 # generation_config.json keys that vLLM's get_default_sampling_params takes, and their names here
@@ -31,7 +38,7 @@ _GENERATION_DEFAULTS = {
     "max_new_tokens": "max_tokens",
 }
 
-Params = SamplingParams | BeamSearchParams
+Params = SamplingParams | BeamSearchParams | ScoreParams
 
 
 class LLM:
@@ -90,7 +97,7 @@ class LLM:
         prompt_list: list[Any] = [from_vllm_prompt(p) for p in ([prompts] if one else list(prompts))]
         if params is None:
             params = SamplingParams()
-        if isinstance(params, (SamplingParams, BeamSearchParams)):
+        if isinstance(params, (SamplingParams, BeamSearchParams, ScoreParams)):
             per_prompt = [params] * len(prompt_list)
         else:
             per_prompt = list(params)
@@ -153,6 +160,66 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in ids]
+
+    def score_continuations(
+        self,
+        prompts: str | Sequence[Any],
+        continuations: Any,
+        *,
+        logprobs: int | None = None,
+        use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoreOutput]:
+        """The log-probability of given continuations of each prompt under the model: a DPO
+        reference pass (chosen and rejected), ranking candidates, perplexity filtering.
+
+        ``prompts``: as for ``generate`` (text, token ids, vLLM's prompt dicts). ``continuations``:
+        per prompt, a text, token ids, or a list of them scored against that prompt; with a single
+        prompt, its continuations. A text continuation is tokenized with the prompt
+        (``batchgen/scoring.py``). ``logprobs``: None for each continuation's total and token count;
+        k >= 0 adds every token's log-probability and rank with its top k alternatives.
+
+        The continuations of one prompt fork from the prompt's last block after its prefill,
+        copy-on-write: the prompt is computed once however many continuations it has
+        (``stats()``: ``score_prompt_tokens_computed``), and prefix caching shares it across
+        prompts. vLLM's ``LLM.score`` is a cross-encoder's relevance score, another thing, hence
+        this name."""
+        one = isinstance(prompts, (str, dict)) or bool(prompts) and isinstance(prompts[0], int)
+        prompt_list = [from_vllm_prompt(p) for p in ([prompts] if one else list(prompts))]
+        per_prompt = [continuations] if one else list(continuations)
+        if len(per_prompt) != len(prompt_list):
+            raise ValueError(f"got continuations for {len(per_prompt)} prompts, and {len(prompt_list)} prompts")
+        engine = self.engine
+        ids, params = [], []
+        for i, (prompt, conts) in enumerate(zip(prompt_list, per_prompt, strict=True)):
+            try:
+                text, prompt_ids = engine.tokenize(prompt)
+                token_lists = [
+                    continuation_ids(engine.tokenizer, text, prompt_ids, c) for c in as_continuation_list(conts)
+                ]
+                params.append(ScoreParams(continuations=token_lists, logprobs=logprobs))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            ids.append(prompt_ids)
+        outs = self.generate(ids, params, use_tqdm, lora_request=lora_request)
+        results = []
+        for out, prompt in zip(outs, prompt_list, strict=True):
+            results.append(
+                ScoreOutput(
+                    request_id=out.request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=out.prompt_token_ids,
+                    num_cached_tokens=out.num_cached_tokens,
+                    continuations=[
+                        ContinuationScore(
+                            c.index, c.text, c.token_ids, c.cumulative_logprob or 0.0, len(c.token_ids), c.logprobs
+                        )
+                        for c in out.outputs
+                    ],
+                    error=out.error,
+                )
+            )
+        return results
 
     def stats(self) -> dict[str, float | int | str]:
         """KV-cache figures: pool size, peak blocks used, copy-on-write copies, prefix-cache hits,

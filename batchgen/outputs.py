@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
+
+import numpy as np
 
 FinishReason = Literal["stop", "length"]
 
@@ -13,6 +17,7 @@ class Logprob(float):
     likely token under the raw model) and ``.decoded_token``. It compares and computes as the
     float it is, so ``{token_id: logprob}`` code keeps working."""
 
+    __slots__ = ("rank", "decoded_token")
     rank: int | None
     decoded_token: str | None
 
@@ -30,6 +35,131 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
+class TokenLogprobs(Sequence):
+    """Per-token log-probabilities held as arrays, one row per token: ``token_ids`` (int32), their
+    ``logprobs`` (float32) and ``ranks`` (int32; 1 = the most likely token), and each token's
+    ``top_ids`` / ``top_logprobs`` (int32 / float32, [tokens, k], best first). As a sequence it is
+    vLLM's list of ``{token_id: Logprob}`` dicts (the token and its top k), built on access, so
+    thousands of tokens with k = 20 cost arrays, not Python objects. ``decode`` fills
+    ``Logprob.decoded_token`` when given."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "_decode")
+
+    def __init__(
+        self,
+        token_ids: np.ndarray,
+        logprobs: np.ndarray,
+        ranks: np.ndarray,
+        top_ids: np.ndarray,
+        top_logprobs: np.ndarray,
+        decode: Callable[[int], str] | None = None,
+    ) -> None:
+        self.token_ids = np.asarray(token_ids, dtype=np.int32)
+        self.logprobs = np.asarray(logprobs, dtype=np.float32)
+        self.ranks = np.asarray(ranks, dtype=np.int32)
+        n = len(self.token_ids)
+        self.top_ids = np.asarray(top_ids, dtype=np.int32).reshape(n, -1)
+        self.top_logprobs = np.asarray(top_logprobs, dtype=np.float32).reshape(n, -1)
+        self._decode = decode
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> dict[int, Logprob]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[int, Logprob]]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        decode = self._decode
+        entry = {
+            tid: Logprob(lp, r, decode(tid) if decode else None)
+            for r, (tid, lp) in enumerate(zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist()), start=1)
+        }
+        tid = int(self.token_ids[i])
+        entry[tid] = Logprob(float(self.logprobs[i]), int(self.ranks[i]), decode(tid) if decode else None)
+        return entry
+
+    def __iter__(self) -> Iterator[dict[int, Logprob]]:
+        return (self[i] for i in range(len(self)))
+
+    def __add__(self, other: Sequence) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence) -> list:
+        return list(other) + list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({len(self)} tokens, top {self.top_ids.shape[1]})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs))
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[dict[int, float]], token_ids: Sequence[int], k: int) -> TokenLogprobs:
+        """From vLLM-style dicts (``{token: Logprob}``, the token's own entry and its top ``k``)."""
+        n = len(token_ids)
+        top_ids = np.zeros((n, k), dtype=np.int32)
+        top_lps = np.zeros((n, k), dtype=np.float32)
+        lps = np.zeros(n, dtype=np.float32)
+        ranks = np.zeros(n, dtype=np.int32)
+        for i, (entry, tid) in enumerate(zip(entries, token_ids, strict=True)):
+            value = entry[tid]
+            lps[i], ranks[i] = float(value), getattr(value, "rank", None) or 0
+            ordered = sorted((getattr(v, "rank", None) or 0, t, float(v)) for t, v in entry.items())
+            tops = [(t, v) for r, t, v in ordered if 1 <= r <= k]
+            for j, (t, v) in enumerate(tops[:k]):
+                top_ids[i, j], top_lps[i, j] = t, v
+        return cls(np.asarray(token_ids), lps, ranks, top_ids, top_lps)
+
+
+class LogprobsBuilder:
+    """A sequence's per-token log-probabilities while it grows: one small array row per token,
+    stacked into ``TokenLogprobs`` when the sequence is done."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "k")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.top_ids: list[np.ndarray] = []
+        self.top_logprobs: list[np.ndarray] = []
+
+    def append(self, token: int, logprob: float, rank: int, top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
+        self.top_ids.append(top_ids)
+        self.top_logprobs.append(top_logprobs)
+
+    def copy(self) -> LogprobsBuilder:
+        other = LogprobsBuilder(self.k)
+        for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+            setattr(other, name, list(getattr(self, name)))
+        return other
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def build(self, decode: Callable[[int], str] | None = None) -> TokenLogprobs:
+        k = self.k
+        top_ids = np.stack(self.top_ids) if self.top_ids else np.zeros((0, k), dtype=np.int32)
+        top_lps = np.stack(self.top_logprobs) if self.top_logprobs else np.zeros((0, k), dtype=np.float32)
+        return TokenLogprobs(np.array(self.token_ids), np.array(self.logprobs), np.array(self.ranks),
+                             top_ids, top_lps, decode)
+
+
 @dataclass
 class CompletionOutput:
     """One completion (a sample, or a beam hypothesis).
@@ -39,17 +169,20 @@ class CompletionOutput:
     ``score`` is set for beam search: the length-penalized score transformers reports as
     ``sequences_scores``. ``stop_reason`` is the stop string or stop token id that ended it, or None.
     ``logprobs``, when asked for, has one dict per generated token: token id -> ``Logprob`` (a float
-    with vLLM's ``logprob`` / ``rank`` / ``decoded_token``): the sampled token and the top ones.
+    with vLLM's ``logprob`` / ``rank`` / ``decoded_token``): the sampled token and the top ones
+    (a ``TokenLogprobs``: the same dicts, held as arrays). ``reasoning``: with a reasoning parser,
+    the thinking (``text`` is then the answer alone), None when the completion has none.
     """
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: TokenLogprobs | list[dict[int, float]] | None
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     score: float | None = None
+    reasoning: str | None = None
 
 
 @dataclass
@@ -68,6 +201,41 @@ class RequestOutput:
     # {token_id: Logprob} with the prompt token and the top ones under the raw model
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     lora_request: Any = None  # the LoRARequest it ran on (None: the base model)
+
+
+@dataclass
+class ContinuationScore:
+    """One continuation's score: ``logprob`` is the sum of its tokens' log-probabilities under the
+    model (after the prompt and the continuation's earlier tokens), ``num_tokens`` their count;
+    ``logprobs``, when asked, each token's value, rank and top alternatives."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprob: float
+    num_tokens: int
+    logprobs: TokenLogprobs | None = None
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / self.num_tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.mean_logprob)
+
+
+@dataclass
+class ScoreOutput:
+    """The scores of one prompt's continuations, in the order given (``LLM.score_continuations``).
+    ``error`` is set (and ``continuations`` empty) when the engine gave up on this prompt alone."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    continuations: list[ContinuationScore] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass

@@ -325,6 +325,54 @@ class BeamSearchParams(_Params):
         return self.beam_width
 
 
+@_reject_unknown_names
+@dataclass(kw_only=True)
+class ScoreParams(_Params):
+    """Score given continuations of one prompt: each continuation's log-probability under the model
+    (``LLM.score_continuations``). ``continuations``: token ids, one non-empty list per
+    continuation. ``logprobs``: None for the totals only; k >= 0 for each continuation token's
+    log-probability and rank with its top k alternatives (as ``SamplingParams.logprobs``).
+
+    The continuations fork from the prompt after its prefill, copy-on-write, as the n samples of a
+    request do: the prompt is computed once whatever the number of continuations."""
+
+    _kind: ClassVar[str] = "score"
+
+    continuations: list[list[int]] = field(default_factory=list)
+    logprobs: int | None = None
+
+    # what the engine reads of every kind of parameters: no stop tokens, no grammar, no sampling
+    structured_outputs: ClassVar[None] = None
+    stop_token_ids: ClassVar[tuple[int, ...]] = ()
+    ignore_eos: ClassVar[bool] = True
+    n: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.continuations, (list, tuple)) and len(self.continuations) > 0,
+            "continuations", self.continuations, "a non-empty list of continuations",
+        )
+        conts = []
+        for i, ids in enumerate(self.continuations):
+            ids = _check_token_ids(f"continuations[{i}]", ids)
+            _check(len(ids) > 0, f"continuations[{i}]", ids, "non-empty (at least one token)")
+            conts.append(ids)
+        self.continuations = conts
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs", self.logprobs, "an integer >= 0 or None",
+        )
+
+    @property
+    def group_size(self) -> int:
+        return len(self.continuations)
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest continuation: the most tokens any of its sequences adds to the prompt."""
+        return max(len(c) for c in self.continuations)
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """vLLM's ``LoRARequest``: a PEFT LoRA adapter directory, named ``lora_name`` and identified by

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from batchgen.config import EngineConfig
 from batchgen.cpus import omp_wait_policy
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, logprob_entries, sample
+from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, logprob_entries, sample, top_logprobs
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, long_rope_key
 from batchgen.engine.stats import EngineStats
@@ -28,8 +28,8 @@ from batchgen.engine.structured import StructuredOutputs, allow_only
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
-from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
+from batchgen.outputs import CompletionOutput, Logprob, LogprobsBuilder, RequestOutput
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 from batchgen.utils import cdiv
 from batchgen.vllm_compat import EngineArgs, from_vllm_prompt
 
@@ -118,6 +118,16 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; the model's context (max_model_len) is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
+        if isinstance(params, ScoreParams):
+            for i, cont in enumerate(params.continuations):
+                bad = [t for t in cont if t >= self.vocab_size]
+                if bad:
+                    raise ValueError(f"continuation {i} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                if len(token_ids) + len(cont) > self.max_model_len:
+                    raise ValueError(
+                        f"prompt ({len(token_ids)} tokens) and continuation {i} ({len(cont)} tokens) exceed "
+                        f"the model's context (max_model_len {self.max_model_len})"
+                    )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name, None)
             if k is not None and k > self.vocab_size:
@@ -161,9 +171,9 @@ class LLMEngine:
     ) -> Prompt:
         """Tokenize and validate one request, compile its grammar (cached) and read its LoRA adapter
         (once per adapter). Raises ValueError (naming the problem) on bad input."""
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        if not isinstance(params, (SamplingParams, BeamSearchParams, ScoreParams)):
             raise ValueError(
-                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+                f"params must be SamplingParams, BeamSearchParams or ScoreParams, got {type(params).__name__}"
             )
         self.add_lora(lora_request)
         text, ids = self.tokenize(prompt)
@@ -254,7 +264,7 @@ class LLMEngine:
         )
         if isinstance(params, SamplingParams):
             if params.logprobs is not None:
-                seq.logprobs = []
+                seq.logprobs = LogprobsBuilder(params.logprobs)
             if params.stop:
                 seq.detok = StopStringWatcher(self.tokenizer, params)
         group.seqs.append(seq)
@@ -284,13 +294,18 @@ class LLMEngine:
                 self._stats.note_kv_usage(self._live_seqs(), self.bm)
             with self._stats.timed("postprocess_s"):
                 for i, rows in result.chunk_logits.items():
-                    self._note_prompt_logprobs(out.scheduled[i], rows)
+                    chunk = out.scheduled[i]
+                    if chunk.seq.score is not None:
+                        self._note_scores(chunk, rows)
+                    else:
+                        self._note_prompt_logprobs(chunk, rows)
                 self._advance([s.seq for s in out.scheduled if s.samples], result.logits)
             prompt = sum(
                 max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
                 for s in out.scheduled
             )
             self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0, prompt)
+            self._note_score_tokens(out.scheduled)
         if self.cfg.debug_checks:
             self._check_invariants()
         with self._stats.timed("output_s"):
@@ -310,14 +325,70 @@ class LLMEngine:
         return out
 
     def _advance(self, samplers: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample the sampling requests' rows and step the beam groups (``logits``: one row per
-        sequence of ``samplers``, in order)."""
-        beam_rows = [i for i, seq in enumerate(samplers) if seq.group.is_beam]
-        sample_rows = [i for i, seq in enumerate(samplers) if not seq.group.is_beam]
-        if sample_rows:
-            self._sample([samplers[i] for i in sample_rows], logits[sample_rows] if beam_rows else logits)
-        if beam_rows:
-            self._beam([samplers[i] for i in beam_rows], logits[beam_rows] if sample_rows else logits)
+        """Sample the sampling requests' rows, step the beam groups and the scored continuations
+        (``logits``: one row per sequence of ``samplers``, in order)."""
+        kinds: dict[str, list[int]] = {"sample": [], "beam": [], "score": []}
+        for i, seq in enumerate(samplers):
+            group = seq.group
+            kinds["beam" if group.is_beam else "score" if group.is_score else "sample"].append(i)
+        for kind, step in (("sample", self._sample), ("beam", self._beam), ("score", self._score)):
+            rows = kinds[kind]
+            if rows:
+                step([samplers[i] for i in rows], logits if len(rows) == len(samplers) else logits[rows])
+
+    def _score(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Scored continuations (``ScoreParams``). A prompt whose prefill just ended forks into one
+        sequence per continuation (copy-on-write, as n samples do); its last position's logits
+        score each continuation's first token, and each sequence then computes its continuation
+        but the last token, whose logits score the rest (``_note_scores``). A sequence whose
+        continuation is computed is done."""
+        for seq, row in zip(seqs, logits, strict=True):
+            if seq.score is not None:  # its continuation's last chunk: every token is scored
+                self.scheduler.free_seq(seq)
+                continue
+            p: ScoreParams = seq.group.params  # type: ignore[assignment]
+            children = [seq] + [self._fork(seq, index=j) for j in range(1, len(p.continuations))]
+            firsts = torch.tensor([c[0] for c in p.continuations], device=row.device)
+            scores = self._score_entries(row.float()[None].expand(len(children), -1), firsts, p.logprobs)
+            for child, cont, entry in zip(children, p.continuations, scores, strict=True):
+                child.score = [None] * len(cont)
+                child.score[0] = entry
+                if len(cont) == 1:
+                    self.scheduler.free_seq(child)
+                else:
+                    child.token_ids.extend(cont[:-1])
+
+    @staticmethod
+    def _score_entries(logits: torch.Tensor, targets: torch.Tensor, k: int | None) -> list[tuple[float, Any]]:
+        """(log-probability, TopLogprobs or None) of ``targets[j]`` under row j of ``logits``."""
+        lps = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
+        tops = top_logprobs(logits, targets, [k] * len(lps)) if k is not None else [None] * len(lps)
+        return list(zip(lps, tops, strict=True))
+
+    def _note_scores(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
+        """A scored continuation's chunk: the row of position t scores the token at t + 1, from the
+        prompt's last position (after a recompute) to the continuation's last token."""
+        seq = chunk.seq
+        p: ScoreParams = seq.group.params  # type: ignore[assignment]
+        cont = p.continuations[seq.index]
+        first = max(chunk.start, seq.num_prompt_tokens - 1)  # the first position that scores a token
+        offset = first - chunk.start
+        n = min(chunk.start + logits.shape[0], seq.num_prompt_tokens + len(cont) - 1) - first
+        if n <= 0:
+            return
+        c0 = first + 1 - seq.num_prompt_tokens  # the continuation token the first row scores
+        targets = torch.tensor(cont[c0 : c0 + n], device=logits.device)
+        for j, entry in enumerate(self._score_entries(logits[offset : offset + n].float(), targets, p.logprobs)):
+            seq.score[c0 + j] = entry
+
+    def _note_score_tokens(self, scheduled: list[ScheduledSeq]) -> None:
+        """Count the prompt and continuation tokens scoring requests computed (``stats()``)."""
+        values = self._stats.values
+        for s in scheduled:
+            if s.seq.group.is_score:
+                prompt = max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+                values["score_prompt_tokens_computed"] += prompt
+                values["score_continuation_tokens_computed"] += s.num_new_tokens - prompt
 
     def _note_prompt_logprobs(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
         """Prompt log-probabilities from one prefill chunk's logits: the row of position t scores
@@ -390,7 +461,7 @@ class LLMEngine:
             seq.token_ids.append(tok)
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
-                seq.logprobs.append(self._with_decoded(top or {tok: Logprob(lp)}))
+                seq.logprobs.append(tok, lp, top.rank, top.ids, top.logprobs)
             ended = self._advance_grammar(seq, tok)
             if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len) or ended:  # type: ignore[arg-type]
                 self.scheduler.free_seq(seq)
@@ -436,7 +507,7 @@ class LLMEngine:
             cumulative_logprob=parent.cumulative_logprob,
         )
         if parent.logprobs is not None:
-            child.logprobs = list(parent.logprobs)
+            child.logprobs = parent.logprobs.copy()
         if parent.detok is not None:
             child.detok = parent.detok.copy_for(parent.output_token_ids, self.tokenizer, group.params)
         if parent.matcher is not None:
@@ -534,9 +605,15 @@ class LLMEngine:
             known = [t for t in ids if t < len(self.tokenizer)]
             return self.tokenizer.decode(known, skip_special_tokens=skip_special)
 
+    def _decode_token(self, token: int) -> str:
+        return self._decode([token], False)
+
     def _output(self, group: SequenceGroup) -> RequestOutput:
         completions = []
-        if group.is_beam:
+        if group.is_score:
+            completions = [self._score_output(seq) for seq in sorted(group.seqs, key=lambda s: s.index)]
+            self._stats.values["scored_continuations"] += len(completions)
+        elif group.is_beam:
             p: BeamSearchParams = group.params  # type: ignore[assignment]
             for i, hyp in enumerate(group.beam.finished[: p.num_return_sequences]):
                 if hyp is None:
@@ -568,7 +645,7 @@ class LLMEngine:
                         text=text,
                         token_ids=seq.output_token_ids,
                         cumulative_logprob=seq.cumulative_logprob,
-                        logprobs=seq.logprobs,
+                        logprobs=None if seq.logprobs is None else seq.logprobs.build(self._decode_token),
                         finish_reason=seq.finish_reason or "length",
                         stop_reason=seq.stop_reason,
                     )
@@ -581,6 +658,27 @@ class LLMEngine:
             outputs=completions,
             prompt_logprobs=group.prompt_logprobs,
             lora_request=group.lora_request,
+        )
+
+    def _score_output(self, seq: Sequence) -> CompletionOutput:
+        """One scored continuation: ``cumulative_logprob`` is its total log-probability,
+        ``logprobs`` (when asked) its tokens' values and top alternatives."""
+        p: ScoreParams = seq.group.params  # type: ignore[assignment]
+        cont = p.continuations[seq.index]
+        assert seq.score is not None and all(e is not None for e in seq.score), "a continuation token was not scored"
+        logprobs = None
+        if p.logprobs is not None:
+            builder = LogprobsBuilder(p.logprobs)
+            for tok, (lp, top) in zip(cont, seq.score, strict=True):
+                builder.append(tok, lp, top.rank, top.ids, top.logprobs)
+            logprobs = builder.build(self._decode_token)
+        return CompletionOutput(
+            index=seq.index,
+            text=self._decode(cont, False),
+            token_ids=list(cont),
+            cumulative_logprob=float(sum(lp for lp, _ in seq.score)),
+            logprobs=logprobs,
+            finish_reason="length",
         )
 
     # -- statistics ----------------------------------------------------------------------------
@@ -606,6 +704,8 @@ class LLMEngine:
             "num_swap_outs": self.scheduler.num_swap_outs,
             "swapped_blocks": self.scheduler.num_swapped_blocks,
             "rope_recomputes": self.scheduler.num_rope_recomputes,
+            **{k: int(self._stats.values[k]) for k in (
+                "scored_continuations", "score_prompt_tokens_computed", "score_continuation_tokens_computed")},
             "linear_backend": self.runner.model.lm_head.backend,
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             "num_threads": self.runner.threads.count,

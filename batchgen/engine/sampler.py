@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ class GrammarMask:
 class SampleResult:
     tokens: list[int]
     logprobs: list[float]
-    top_logprobs: list[dict[int, float] | None]
+    top_logprobs: list[TopLogprobs | None]  # for the rows that asked for ``logprobs``
 
 
 def _penalize(logits: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> None:
@@ -428,40 +428,56 @@ def _logprobs(
     return chosen, _top_logprobs(logits, tokens, chosen, rows)
 
 
+class TopLogprobs(NamedTuple):
+    """One row's log-probability details: the chosen token's ``rank`` (1 = the most likely) and the
+    row's top ``k`` tokens and log-probabilities, best first."""
+
+    rank: int
+    ids: np.ndarray  # int32 [k]
+    logprobs: np.ndarray  # float32 [k]
+
+    def entry(self, token: int, logprob: float) -> dict[int, Logprob]:
+        """vLLM's ``{token_id: Logprob}``: the top k and the chosen token."""
+        out = {
+            t: Logprob(v, r) for r, (t, v) in enumerate(zip(self.ids.tolist(), self.logprobs.tolist()), start=1)
+        }
+        out[token] = Logprob(logprob, self.rank)
+        return out
+
+
 def _top_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow]
-) -> list[dict[int, float] | None]:
-    top: list[dict[int, float] | None] = [None] * len(rows)
+) -> list[TopLogprobs | None]:
+    top: list[TopLogprobs | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
-        entries = logprob_entries(
-            logits[want], tokens[want], [rows[i].params.logprobs or 0 for i in want], chosen[want].tolist()
-        )
+        entries = top_logprobs(logits[want], tokens[want], [rows[i].params.logprobs or 0 for i in want])
         for i, entry in zip(want, entries, strict=True):
             top[i] = entry
     return top
+
+
+def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: list[int]) -> list[TopLogprobs]:
+    """Per row of ``logits`` [n, vocab] (raw, float32): the rank of ``targets[j]`` (1 + the tokens
+    more likely than it) and the row's top ``top_k[j]`` tokens with their log-probabilities, as
+    vLLM reports ``logprobs`` and ``prompt_logprobs``."""
+    logp = torch.log_softmax(logits, dim=-1)
+    top_k = [min(kk, logits.shape[1]) for kk in top_k]
+    k = max(top_k, default=0)
+    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    ranks = ((logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
+    ids_np = ids.to(torch.int32).cpu().numpy()
+    vals_np = vals.float().cpu().numpy()
+    return [TopLogprobs(ranks[j], ids_np[j, :kk], vals_np[j, :kk]) for j, kk in enumerate(top_k)]
 
 
 def logprob_entries(
     logits: torch.Tensor, targets: torch.Tensor, top_k: list[int], target_logprobs: list[float] | None = None
 ) -> list[dict[int, float]]:
     """Per row of ``logits`` [n, vocab] (raw, float32): ``{token: Logprob}`` for the row's top
-    ``top_k[j]`` tokens (ranks 1..k) and its ``targets[j]`` (rank: 1 + the tokens more likely than
-    it), as vLLM reports ``logprobs`` and ``prompt_logprobs``. ``target_logprobs`` overrides the
-    targets' values (the sampler's exact ones)."""
-    logp = torch.log_softmax(logits, dim=-1)
-    top_k = [min(kk, logits.shape[1]) for kk in top_k]
-    k = max(top_k, default=0)
-    vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    ranks = ((logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
+    ``top_k[j]`` tokens (ranks 1..k) and its ``targets[j]`` (``top_logprobs``), as vLLM reports
+    ``prompt_logprobs``. ``target_logprobs`` overrides the targets' values."""
     if target_logprobs is None:
-        target_logprobs = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-    out = []
-    for j, (kk, target) in enumerate(zip(top_k, targets.tolist(), strict=True)):
-        entry: dict[int, float] = {
-            tid: Logprob(lp, r + 1)
-            for r, (tid, lp) in enumerate(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist(), strict=True))
-        }
-        entry[target] = Logprob(target_logprobs[j], ranks[j])
-        out.append(entry)
-    return out
+        target_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
+    tops = top_logprobs(logits, targets, top_k)
+    return [t.entry(tok, lp) for t, tok, lp in zip(tops, targets.tolist(), target_logprobs, strict=True)]

@@ -75,13 +75,22 @@ class SchedulerOutput:
                 s.start,
                 table_of(s.seq.seq_id),
                 s.samples,
-                s.seq.group.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens - 1,
+                _all_logits(s),
                 s.seq.num_tokens,
                 s.seq.group.lora_id,
             )
             for s in self.scheduled
         ]
         return StepBatch(chunks, self.copies, self.fresh_blocks, self.swaps)
+
+
+def _all_logits(s: ScheduledSeq) -> bool:
+    """Whether every token's logits of the chunk are needed: prompt log-probabilities for the
+    prompt's positions, or a scored continuation from the prompt's last position on."""
+    seq = s.seq
+    if seq.score is not None:
+        return s.start + s.num_new_tokens >= seq.num_prompt_tokens
+    return seq.group.prompt_logprobs is not None and s.start < seq.num_prompt_tokens - 1
 
 
 class _Plan(NamedTuple):
@@ -256,8 +265,12 @@ class Scheduler:
                 continue
             match, start = None, seq.num_computed_tokens
             if start == 0 and not self.bm.has_blocks(seq.seq_id):
-                # Keep at least one token to compute: its logits are what the step is for.
-                match = self.bm.match_prefix(seq.token_ids, group.cache_key, (seq.num_tokens - 1) // bs)
+                # Keep at least one token to compute: its logits are what the step is for. A scored
+                # continuation takes the prompt's blocks only: its own tokens' logits are its scores.
+                limit = (seq.num_tokens - 1) // bs
+                if seq.score is not None:
+                    limit = min(limit, seq.num_prompt_tokens // bs)
+                match = self.bm.match_prefix(seq.token_ids, group.cache_key, limit)
                 if match.next_hash is not None and match.next_hash in computing:
                     # A sibling recomputes this sequence's next blocks right now (after a
                     # preemption): take them from the cache next step instead of a second copy.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.outputs import FinishReason
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, ScoreParams
 
 
 class SeqStatus(enum.Enum):
@@ -40,12 +40,15 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: Any = None  # a LogprobsBuilder when the request asked for ``logprobs``
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detok: Any = None  # incremental detokenizer state (only when stop strings are used)
     text_end: int | None = None  # where the completion's text ends (a stop string was found)
     matcher: Any = None  # the grammar's state after this sequence's tokens (structured outputs)
+    # a scored continuation (ScoreParams): per continuation token, (log-probability, TopLogprobs or
+    # None) once its logits were seen; None before the prompt's prefill forked the continuations
+    score: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +94,7 @@ class SequenceGroup:
     """
 
     request_id: str
-    params: SamplingParams | BeamSearchParams
+    params: SamplingParams | BeamSearchParams | ScoreParams
     prompt: str | None
     prompt_token_ids: list[int]
     cache_key: object = None
@@ -109,6 +112,10 @@ class SequenceGroup:
     @property
     def is_beam(self) -> bool:
         return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def is_score(self) -> bool:
+        return isinstance(self.params, ScoreParams)
 
     @property
     def max_seqs(self) -> int:
