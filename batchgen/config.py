@@ -56,6 +56,9 @@ class EngineConfig:
     enable_lora: bool = False  # requests may name a LoRA adapter (``LoRARequest``)
     max_loras: int = 1  # adapters resident at once (and run in one step)
     max_lora_rank: int = 16  # the largest rank an adapter may have
+    # split each completion into its reasoning and its answer (batchgen/reasoning.py): qwen3,
+    # deepseek_r1, gpt_oss (vLLM's names); grammars then constrain the answer only
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:
@@ -95,6 +98,11 @@ class EngineConfig:
         for key in ("max_loras", "max_lora_rank"):
             if not isinstance(getattr(self, key), int) or isinstance(getattr(self, key), bool) or getattr(self, key) < 1:
                 raise bad(key, "an integer >= 1")
+        if self.reasoning_parser is not None:
+            from batchgen.reasoning import parser_names  # noqa: PLC0415
+
+            if self.reasoning_parser not in parser_names():
+                raise bad("reasoning_parser", f"one of {', '.join(parser_names())} or None")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "auto, vllm or a directory holding generation_config.json")
 

@@ -69,6 +69,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _check_budget(value: Any) -> None:
+    _check(value is None or (_is_int(value) and value >= 0), "thinking_token_budget", value,
+           "an integer >= 0 or None")
+
+
 def _check_token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
@@ -190,9 +195,13 @@ class SamplingParams(_Params):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # with the engine's reasoning parser: once this many reasoning tokens are written, the end of
+    # the reasoning is forced and the answer follows (vLLM's name)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check_budget(self.thinking_token_budget)
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
             "temperature",
@@ -276,8 +285,10 @@ class BeamSearchParams(_Params):
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None  # as SamplingParams'
 
     def __post_init__(self) -> None:
+        _check_budget(self.thinking_token_budget)
         _check(
             _is_int(self.beam_width) and self.beam_width >= 1,
             "beam_width",
@@ -343,6 +354,7 @@ class ScoreParams(_Params):
 
     # what the engine reads of every kind of parameters: no stop tokens, no grammar, no sampling
     structured_outputs: ClassVar[None] = None
+    thinking_token_budget: ClassVar[None] = None
     stop_token_ids: ClassVar[tuple[int, ...]] = ()
     ignore_eos: ClassVar[bool] = True
     n: ClassVar[int] = 1

@@ -24,12 +24,19 @@ from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, long_rope_key
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.stops import StopStringWatcher, check_stop
-from batchgen.engine.structured import StructuredOutputs, allow_only
+from batchgen.engine.structured import (
+    StructuredOutputs,
+    allow_also,
+    allow_only,
+    apply_bitmask,
+    full_mask,
+)
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, LogprobsBuilder, RequestOutput
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
+from batchgen.reasoning import make_parser
 from batchgen.utils import cdiv
 from batchgen.vllm_compat import EngineArgs, from_vllm_prompt
 
@@ -90,6 +97,7 @@ class LLMEngine:
         self._stats = EngineStats(cfg.block_size, self.max_model_len)
         self._groups: dict[str, SequenceGroup] = {}  # queued and running requests by id
         self._structured: StructuredOutputs | None = None  # built with the first grammar
+        self.reasoning = make_parser(cfg.reasoning_parser, self.tokenizer) if cfg.reasoning_parser else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -138,6 +146,8 @@ class LLMEngine:
                     raise ValueError(
                         f"{name} has token id {t}, outside the vocabulary [0, {self.vocab_size})"
                     )
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError("thinking_token_budget needs a reasoning parser (the engine setting reasoning_parser)")
         if params.structured_outputs is not None and isinstance(params, BeamSearchParams):
             if not self._grammar_stops(params):
                 raise ValueError("structured_outputs with beam search needs an end token: drop ignore_eos or give stop_token_ids")
@@ -262,6 +272,8 @@ class LLMEngine:
             base_seed=base,
             matcher=matcher,
         )
+        if self.reasoning is not None and not isinstance(params, ScoreParams):
+            seq.reasoning = self.reasoning.state(ids, params.thinking_token_budget)
         if isinstance(params, SamplingParams):
             if params.logprobs is not None:
                 seq.logprobs = LogprobsBuilder(params.logprobs)
@@ -467,22 +479,40 @@ class LLMEngine:
                 self.scheduler.free_seq(seq)
 
     def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
-        """The step's token mask for the rows of ``seqs`` that follow a grammar (None: none do)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
+        """The step's token mask for the rows of ``seqs`` that follow a grammar or must write a
+        forced token (None: none do). A grammar applies after the reasoning only; a row that may
+        still start its reasoning may also take the start tag; a spent thinking budget forces
+        the end of the reasoning."""
+        rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None and not _thinking(seq)]
+        forced = {i: seq.reasoning.forcing[0] for i, seq in enumerate(seqs) if seq.reasoning is not None
+                  and seq.reasoning.forcing}
+        if not rows and not forced:
             return None
-        structured = self.structured
-        live = [i for i in rows if not seqs[i].matcher.is_terminated()]
-        mask = structured.bitmask([seqs[i].matcher for i in live], live, len(seqs))
-        for i in rows:
-            if i not in live:  # a beam that took an end token as a running candidate (nothing else was
-                # allowed): as after the grammar's end, only end tokens, as the oracle's processor does
-                allow_only(mask, i, self._grammar_stops(seqs[i].group.params))
-        return GrammarMask(mask, rows, structured.apply, structured.vocab_size)
+        if rows:
+            structured = self.structured
+            live = [i for i in rows if not seqs[i].matcher.is_terminated()]
+            mask = structured.bitmask([seqs[i].matcher for i in live], live, len(seqs))
+            for i in rows:
+                if i not in live:  # a beam that took an end token as a running candidate (nothing else was
+                    # allowed): as after the grammar's end, only end tokens, as the oracle's processor does
+                    allow_only(mask, i, self._grammar_stops(seqs[i].group.params))
+                elif seqs[i].reasoning is not None and not seqs[i].reasoning.ended:
+                    allow_also(mask, i, self.reasoning.start[0])
+        else:
+            mask = full_mask(len(seqs), self.vocab_size)
+        for i, token in forced.items():
+            allow_only(mask, i, [token])
+        apply = self._structured.apply if self._structured is not None else apply_bitmask
+        return GrammarMask(mask, sorted(set(rows) | set(forced)), apply, self.vocab_size)
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
-        """Feed ``token`` to the sequence's grammar; True when that ends the sequence (the grammar
-        is complete and has no stop token to wait for)."""
+        """Feed ``token`` to the sequence's grammar (after its reasoning state: a reasoning token
+        is not the grammar's); True when that ends the sequence (the grammar is complete and has
+        no stop token to wait for)."""
+        if seq.reasoning is not None:
+            budget = seq.group.params.thinking_token_budget
+            if self.reasoning.advance(seq.reasoning, token, budget):
+                return False
         if seq.matcher is None:
             return False
         if seq.matcher.is_terminated():
@@ -512,6 +542,8 @@ class LLMEngine:
             child.detok = parent.detok.copy_for(parent.output_token_ids, self.tokenizer, group.params)
         if parent.matcher is not None:
             child.matcher = parent.matcher.fork()
+        if parent.reasoning is not None:
+            child.reasoning = parent.reasoning.copy()
         self.bm.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
         return child
@@ -605,6 +637,21 @@ class LLMEngine:
             known = [t for t in ids if t < len(self.tokenizer)]
             return self.tokenizer.decode(known, skip_special_tokens=skip_special)
 
+    def _split(self, token_ids: list[int], skip_special: bool, stopped: str | None) -> tuple[str | None, str]:
+        """(reasoning, text) of a completion: without a reasoning parser, no reasoning and the
+        whole text (``stopped``: the text a stop string cut, when one did)."""
+        if self.reasoning is None:
+            return None, stopped if stopped is not None else self._decode(token_ids, skip_special)
+        if stopped is not None:  # split the cut text at the end tag's text
+            end = self._decode(self.reasoning.end, False)
+            start = self._decode(self.reasoning.start, False)
+            if end in stopped:
+                reasoning, _, answer = stopped.partition(end)
+                return reasoning.replace(start, "", 1), answer
+            return None, stopped
+        reasoning, answer = self.reasoning.split(token_ids, lambda ids: self._decode(ids, skip_special))
+        return reasoning, answer or ""
+
     def _decode_token(self, token: int) -> str:
         return self._decode([token], False)
 
@@ -618,10 +665,12 @@ class LLMEngine:
             for i, hyp in enumerate(group.beam.finished[: p.num_return_sequences]):
                 if hyp is None:
                     continue
+                reasoning, text = self._split(hyp.token_ids, True, None)
                 completions.append(
                     CompletionOutput(
                         index=i,
-                        text=self._decode(hyp.token_ids, True),
+                        text=text,
+                        reasoning=reasoning,
                         token_ids=hyp.token_ids,
                         cumulative_logprob=hyp.logprob_sum,
                         logprobs=None,
@@ -635,14 +684,13 @@ class LLMEngine:
         else:
             sp: SamplingParams = group.params  # type: ignore[assignment]
             for seq in sorted(group.seqs, key=lambda s: s.index):
-                if seq.text_end is not None:
-                    text = seq.detok.text[: seq.text_end]
-                else:
-                    text = self._decode(seq.output_token_ids, sp.skip_special_tokens)
+                stopped = seq.detok.text[: seq.text_end] if seq.text_end is not None else None
+                reasoning, text = self._split(seq.output_token_ids, sp.skip_special_tokens, stopped)
                 completions.append(
                     CompletionOutput(
                         index=seq.index,
                         text=text,
+                        reasoning=reasoning,
                         token_ids=seq.output_token_ids,
                         cumulative_logprob=seq.cumulative_logprob,
                         logprobs=None if seq.logprobs is None else seq.logprobs.build(self._decode_token),
@@ -752,3 +800,8 @@ class LLMEngine:
             "lora_activations": lora.activations if lora else 0,
             "lora_evictions": lora.evictions if lora else 0,
         }
+
+
+def _thinking(seq: Sequence) -> bool:
+    """Whether the sequence's next token is part of its reasoning (no grammar applies)."""
+    return seq.reasoning is not None and seq.reasoning.inside

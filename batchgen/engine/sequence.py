@@ -49,6 +49,7 @@ class Sequence:
     # a scored continuation (ScoreParams): per continuation token, (log-probability, TopLogprobs or
     # None) once its logits were seen; None before the prompt's prefill forked the continuations
     score: list[Any] | None = None
+    reasoning: Any = None  # a ReasoningState with the engine's reasoning parser
 
     @property
     def num_tokens(self) -> int:

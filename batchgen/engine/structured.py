@@ -158,6 +158,28 @@ class StructuredOutputs:
         }
 
 
+def full_mask(n_rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask (xgrammar's layout) that allows every token in every row."""
+    return torch.full((n_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(scores: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    """``StructuredOutputs.apply`` without xgrammar: the tokens ``mask`` does not allow set to -inf
+    in ``scores``' ``rows`` (for masks of forced tokens only)."""
+    vocab = scores.shape[1]
+    index = torch.tensor(rows, device=scores.device)
+    words = mask[rows].to(scores.device).unsqueeze(-1)
+    bits = (words >> torch.arange(32, dtype=torch.int32, device=scores.device)) & 1
+    ok = bits.reshape(len(rows), -1)[:, :vocab].bool()
+    scores[index] = scores[index].masked_fill(~ok, float("-inf"))
+
+
+def allow_also(mask: torch.Tensor, row: int, token: int) -> None:
+    """Allow ``token`` in ``row`` of ``mask`` besides what it allows."""
+    word = int(mask[row, token // 32]) | (1 << (token % 32))
+    mask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
 def allowed(mask: torch.Tensor, row: int, token: int) -> bool:
     """Whether ``mask`` allows ``token`` in ``row``."""
     return bool((int(mask[row, token // 32]) >> (token % 32)) & 1)

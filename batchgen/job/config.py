@@ -17,11 +17,19 @@ import pyarrow as pa
 import yaml
 
 from batchgen.config import EngineConfig
+from batchgen.job.sink import generation_fields, score_fields
 from batchgen.job.source import check_readable, column_names, schema_of
 from batchgen.model.loader import tokenizer_problem
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
+TASKS = ("generate", "score")
+# generation keys that are not sampling parameters: the job's reasoning parser (an engine setting)
+# and the chat template's keyword arguments (per job, or per row in the params column)
+TEMPLATE_KEYS = ("chat_template_kwargs",)
+JOB_ONLY_KEYS = ("reasoning_parser",)
+# what a scoring job takes of generation:
+SCORE_KEYS = ("logprobs", "chat_template_kwargs")
 OUTPUT_FORMATS = ("parquet", "openai")
 
 
@@ -38,6 +46,8 @@ class InputConfig:
     id_column: str | None = None
     params_column: str | None = None  # a struct / JSON-object column of per-row generation overrides
     lora_column: str | None = None  # each row's LoRA adapter: a name of lora.adapters, or null (the base model)
+    # task: score: each row's continuation (text) or continuations (a list of texts) to score
+    continuation_column: str | None = None
     batch_rows: int = 1024
     limit: int | None = None
 
@@ -136,29 +146,71 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    task: str = "generate"
     source_file: str | None = None
 
     def engine_config(self) -> EngineConfig:
-        """The engine's settings: ``engine:``, with LoRA switched on when ``lora:`` names adapters."""
-        return EngineConfig.from_kwargs(self.model, **{**self.engine, **self.lora.engine_settings()})
+        """The engine's settings: ``engine:``, with LoRA switched on when ``lora:`` names adapters
+        and the reasoning parser of ``generation.reasoning_parser``."""
+        parser = self.generation.get("reasoning_parser")
+        extra = {"reasoning_parser": parser} if parser else {}
+        return EngineConfig.from_kwargs(self.model, **{**self.engine, **extra, **self.lora.engine_settings()})
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """``generation`` without the keys that are not sampling parameters."""
+        return {k: v for k, v in self.generation.items() if k not in TEMPLATE_KEYS + JOB_ONLY_KEYS}
+
+    def output_fields(self) -> list[pa.Field]:
+        """The output columns: per-token log-probabilities and reasoning only where asked."""
+        gen = self.generation
+        if self.task == "score":
+            return score_fields(logprobs=gen.get("logprobs") is not None)
+        return generation_fields(
+            logprobs=gen.get("logprobs") is not None,
+            prompt_logprobs=gen.get("prompt_logprobs") is not None,
+            reasoning=bool(gen.get("reasoning_parser")),
+        )
+
+    def template_kwargs(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The chat template's keyword arguments: the job's, then the row's on top."""
+        job = self.generation.get("chat_template_kwargs") or {}
+        row = (overrides or {}).get("chat_template_kwargs") or {}
+        if not isinstance(row, dict):
+            raise ValueError(f"chat_template_kwargs must be an object, got {type(row).__name__}")
+        return {**job, **row}
 
     def params(self, overrides: dict[str, Any] | None = None) -> SamplingParams | BeamSearchParams:
         """The generation parameters with a row's overrides. A row that gives ``beam_width`` in a
         sampling job runs beam search, keeping only the settings the two share (``max_tokens``,
-        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``). Keys whose results a job cannot write
-        are refused (``unwritten``)."""
-        overrides = overrides or {}
-        base = self.generation
+        ``min_tokens``, ``stop_token_ids``, ``ignore_eos``). Keys whose results the job's columns
+        cannot hold are refused (``unwritten``)."""
+        overrides = {k: v for k, v in (overrides or {}).items() if k not in TEMPLATE_KEYS}
+        for key in JOB_ONLY_KEYS:
+            if key in overrides:
+                raise ValueError(f"{key} is set for the whole job (generation.{key}), not per row")
+        base = self.sampling
         if "beam_width" in overrides and "beam_width" not in base:
             shared = {f.name for f in fields(BeamSearchParams)}
             base = {k: v for k, v in base.items() if k in shared}
         values = {**base, **overrides}
-        problem = unwritten(values)
+        problem = unwritten(values, self.generation)
         if problem is not None:
             raise ValueError(problem)
         return (
             BeamSearchParams.from_dict(values) if "beam_width" in values else SamplingParams.from_dict(values)
         )
+
+    def score_params(self, continuations: list[list[int]], overrides: dict[str, Any] | None = None) -> ScoreParams:
+        """A scoring row's parameters: its continuations' token ids and the job's ``logprobs``."""
+        overrides = {k: v for k, v in (overrides or {}).items() if k not in TEMPLATE_KEYS}
+        unknown = sorted(set(overrides) - {"logprobs"})
+        if unknown:
+            raise ValueError(f"a scoring row takes logprobs and chat_template_kwargs only, got {', '.join(unknown)}")
+        logprobs = overrides.get("logprobs", self.generation.get("logprobs"))
+        if logprobs is not None and self.generation.get("logprobs") is None:
+            raise ValueError("logprobs: the job writes no logprobs column; set generation.logprobs for it")
+        return ScoreParams(continuations=continuations, logprobs=logprobs)
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides the results: a changed value here makes a resume refuse."""
@@ -174,6 +226,7 @@ class JobConfig:
         )
         result_engine = {k: v for k, v in self.engine.items() if k in ("dtype", "max_model_len", "seed")}
         return {
+            **({"task": self.task} if self.task != "generate" else {}),
             "model": str(model.resolve()),
             "model_files": hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:16],
             "engine": result_engine,
@@ -188,6 +241,7 @@ class JobConfig:
                     "id_column",
                     "params_column",
                     "lora_column",
+                    "continuation_column",
                     "limit",
                 )
             },
@@ -265,15 +319,14 @@ def _section(cls, raw: Any, name: str, problems: list[str]):
         return None
 
 
-def unwritten(generation: dict[str, Any]) -> str | None:
-    """A generation key the job would compute but cannot write (its output has no column for it),
-    named so that it is refused instead of silently dropped; None when there is none."""
+def unwritten(values: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """A key a row asks for that the job's output has no column for (the columns follow the job's
+    ``generation``), named so that it is refused instead of silently dropped; None when none."""
     for key in ("logprobs", "prompt_logprobs"):
-        if generation.get(key) is not None:
-            return (
-                f"{key}: a job's output has no per-token log-probabilities (each completion keeps "
-                f"cumulative_logprob); drop {key}, or use LLM.generate for them"
-            )
+        if values.get(key) is not None and job.get(key) is None:
+            return f"{key}: the job writes no {key} column; set generation.{key} in the job config for it"
+    if values.get("prompt_logprobs") is not None and "beam_width" in values:
+        return "prompt_logprobs: beam search rows have none; drop prompt_logprobs or beam_width"
     return None
 
 
@@ -325,7 +378,7 @@ def _not_a_directory(path: str) -> str | None:
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
-    top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora"}
+    top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora", "task"}
     for key in data:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
@@ -346,13 +399,17 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     ray = _section(RayConfig, data.get("ray"), "ray", problems) or RayConfig()
     lora = _lora_section(data.get("lora"), problems)
     engine = _mapping(data, "engine", problems, lambda v: EngineConfig.from_kwargs(model or ".", **v))
-    gen = _mapping(
-        data, "generation", problems, lambda v: (BeamSearchParams if "beam_width" in v else SamplingParams).from_dict(v)
-    )
-    if (problem := unwritten(gen)) is not None:
-        problems.append(f"generation.{problem}")
+    task = data.get("task", "generate")
+    if task not in TASKS:
+        problems.append(f"task: must be one of {', '.join(TASKS)}, got {task!r}")
+        task = "generate"
+    gen = _mapping(data, "generation", problems, lambda v: _check_generation(v, task))
     if inp is not None:
         _check_input(inp, problems)
+        if task == "score" and not inp.continuation_column:
+            problems.append("input.continuation_column: required with task: score (each row's continuation or list of them)")
+        if task != "score" and inp.continuation_column:
+            problems.append("input.continuation_column: only a scoring job reads it; set task: score")
         if inp.lora_column and not lora.adapters:
             problems.append("input.lora_column: needs adapters to name (lora.adapters: {NAME: PATH})")
     if isinstance(model, str) and model and Path(model).is_dir():
@@ -360,6 +417,8 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problem = tokenizer_problem(tok_dir or model)
         if problem is not None:
             problems.append(f"{'engine.tokenizer' if tok_dir else 'model'}: {problem}")
+    if task == "score" and inp is not None and out is not None and "openai" in (inp.format, out.format):
+        problems.append("task: score reads and writes Parquet, Arrow, JSON Lines or datasets; the OpenAI batch format has no scoring")
     if out is not None:
         blocker = _not_a_directory(out.path)
         if blocker is not None:
@@ -412,8 +471,30 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         run=run,
         ray=ray,
         lora=lora,
+        task=task,
         source_file=source_file,
     )
+
+
+def _check_generation(values: dict[str, Any], task: str) -> None:
+    """``generation``: sampling or beam-search parameters, plus the reasoning parser and the chat
+    template's keyword arguments; a scoring job takes ``logprobs`` and the template's arguments."""
+    from batchgen.reasoning import parser_names
+
+    parser = values.get("reasoning_parser")
+    if parser is not None and parser not in parser_names():
+        raise ValueError(f"reasoning_parser must be one of {', '.join(parser_names())}, got {parser!r}")
+    kwargs = values.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a mapping, got {type(kwargs).__name__}")
+    if task == "score":
+        unknown = sorted(set(values) - set(SCORE_KEYS))
+        if unknown:
+            raise ValueError(f"a scoring job takes {', '.join(SCORE_KEYS)}; drop {', '.join(unknown)}")
+        ScoreParams(continuations=[[0]], logprobs=values.get("logprobs"))
+        return
+    sampling = {k: v for k, v in values.items() if k not in TEMPLATE_KEYS + JOB_ONLY_KEYS}
+    (BeamSearchParams if "beam_width" in sampling else SamplingParams).from_dict(sampling)
 
 
 def _lora_section(raw: Any, problems: list[str]) -> LoRAConfig:
@@ -488,7 +569,7 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
     if not names:
         problems.append(f"input.path: {inp.path!r} holds no rows (the input is empty)")
         return
-    for key in ("prompt_column", "messages_column", "id_column", "params_column", "lora_column"):
+    for key in ("prompt_column", "messages_column", "id_column", "params_column", "lora_column", "continuation_column"):
         col = getattr(inp, key)
         if col and col not in names:
             problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")

@@ -16,8 +16,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-COMPLETION_TYPE = pa.struct(
+# Per-token log-probabilities of a completion, a scored continuation or a prompt, position by
+# position: the token, its log-probability and rank (1 = the most likely), and its top k
+# alternatives best first. int32 and float32 lists, not text: 8 + 8k bytes per token before compression.
+LOGPROBS_TYPE = pa.struct(
     [
+        ("token_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("ranks", pa.list_(pa.int32())),
+        ("top_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("top_logprobs", pa.list_(pa.list_(pa.float32()))),
+    ]
+)
+
+
+def completion_type(logprobs: bool = False, reasoning: bool = False) -> pa.DataType:
+    """One completion: with ``reasoning`` (a reasoning parser) and ``logprobs`` when the job asks."""
+    fields = [
         ("index", pa.int64()),
         ("text", pa.string()),
         ("token_ids", pa.list_(pa.int64())),
@@ -25,13 +40,49 @@ COMPLETION_TYPE = pa.struct(
         ("score", pa.float64()),
         ("finish_reason", pa.string()),
     ]
-)
-OUTPUT_FIELDS = [
-    pa.field("completions", pa.list_(COMPLETION_TYPE)),
-    pa.field("num_prompt_tokens", pa.int64()),
-    pa.field("num_generated_tokens", pa.int64()),
-    pa.field("error", pa.string()),
-]
+    if reasoning:
+        fields.insert(1, ("reasoning", pa.string()))
+    if logprobs:
+        fields.append(("logprobs", LOGPROBS_TYPE))
+    return pa.struct(fields)
+
+
+def score_type(logprobs: bool = False) -> pa.DataType:
+    """One scored continuation (``task: score``): its total log-probability and token count."""
+    fields = [
+        ("index", pa.int64()),
+        ("text", pa.string()),
+        ("token_ids", pa.list_(pa.int64())),
+        ("logprob", pa.float64()),
+        ("num_tokens", pa.int64()),
+    ]
+    if logprobs:
+        fields.append(("logprobs", LOGPROBS_TYPE))
+    return pa.struct(fields)
+
+
+def generation_fields(logprobs: bool = False, prompt_logprobs: bool = False, reasoning: bool = False) -> list[pa.Field]:
+    """The output columns of a generation job."""
+    return [
+        pa.field("completions", pa.list_(completion_type(logprobs, reasoning))),
+        pa.field("num_prompt_tokens", pa.int64()),
+        pa.field("num_generated_tokens", pa.int64()),
+        *([pa.field("prompt_logprobs", LOGPROBS_TYPE)] if prompt_logprobs else []),
+        pa.field("error", pa.string()),
+    ]
+
+
+def score_fields(logprobs: bool = False) -> list[pa.Field]:
+    """The output columns of a scoring job (``task: score``)."""
+    return [
+        pa.field("scores", pa.list_(score_type(logprobs))),
+        pa.field("num_prompt_tokens", pa.int64()),
+        pa.field("num_scored_tokens", pa.int64()),
+        pa.field("error", pa.string()),
+    ]
+
+
+OUTPUT_FIELDS = generation_fields()
 
 
 class OutputWriteError(RuntimeError):
@@ -163,8 +214,10 @@ class ShardSink:
         prefix: str = "part",
         clean: bool = True,
         gate: CommitGate | None = None,
+        output_fields: list[pa.Field] | None = None,
     ) -> None:
         self.dir = Path(out_dir)
+        self.output_fields = output_fields
         self.gate = gate
         self.fmt = fmt
         self.id_key = id_key
@@ -249,7 +302,7 @@ class ShardSink:
 
     def _table(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> pa.Table:
         if self.schema is None:
-            self.schema = output_schema(input_schema, rows, (self.id_key, "row_index"))
+            self.schema = output_schema(input_schema, rows, (self.id_key, "row_index"), self.output_fields)
         return rows_table(rows, self.schema)
 
     def rescan(self) -> None:
@@ -263,7 +316,7 @@ class ShardSink:
         self._rows_by_shard[name] = rows
 
 
-_OUTPUT_NAMES = {o.name for o in OUTPUT_FIELDS}
+_OUTPUT_NAMES = {o.name for o in generation_fields(True, True, True) + score_fields(True)}
 
 # The error of a row whose id an earlier row of the input has: such a row is known by its position.
 DUPLICATE_ID = "duplicate id"
@@ -310,10 +363,14 @@ def shard_ids(shard: Path, id_key: str) -> list[str]:
 
 
 def output_schema(
-    input_schema: pa.Schema | None, rows: list[dict[str, Any]], id_columns: tuple[str, ...] = ()
+    input_schema: pa.Schema | None,
+    rows: list[dict[str, Any]],
+    id_columns: tuple[str, ...] = (),
+    output_fields: list[pa.Field] | None = None,
 ) -> pa.Schema:
     """The input's columns (or, without an input schema, those of ``rows``), the id columns as
-    int64 where the input lacks them, then the output columns."""
+    int64 where the input lacks them, then the output columns (``output_fields``; a plain
+    generation job's by default)."""
     if input_schema is not None:
         fields = [f for f in input_schema if f.name not in _OUTPUT_NAMES]
     else:
@@ -328,7 +385,7 @@ def output_schema(
     for key in dict.fromkeys(id_columns):
         if key not in [f.name for f in fields]:
             fields.append(pa.field(key, pa.int64()))
-    return pa.schema(fields + OUTPUT_FIELDS)
+    return pa.schema(fields + (OUTPUT_FIELDS if output_fields is None else output_fields))
 
 
 def rows_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
