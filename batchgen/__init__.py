@@ -12,7 +12,13 @@ from batchgen.outputs import (
     ScoreOutput,
     TokenLogprobs,
 )
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams, StructuredOutputsParams
+from batchgen.params import (
+    BeamSearchParams,
+    LoRARequest,
+    SamplingParams,
+    ScoreParams,
+    StructuredOutputsParams,
+)
 from batchgen.utils import FlexibleArgumentParser
 from batchgen.vllm_compat import EngineArgs
 

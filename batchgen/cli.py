@@ -214,8 +214,11 @@ def _config_keys() -> str:
             "  model: path of a local Hugging Face model directory (required)",
             f"  input: {keys(InputConfig)}",
             f"  output: {keys(OutputConfig)}",
-            "  generation: SamplingParams (n, temperature, top_p, max_tokens, seed, ...) or "
-            "BeamSearchParams (beam_width, length_penalty, early_stopping, ...) keys",
+            "  task: generate (default) or score (each row's input.continuation_column scored after its prompt)",
+            "  generation: SamplingParams (n, temperature, top_p, max_tokens, seed, logprobs, prompt_logprobs, "
+            "thinking_token_budget, ...) or BeamSearchParams (beam_width, length_penalty, early_stopping, ...) "
+            "keys; reasoning_parser (qwen3, deepseek_r1, gpt_oss); chat_template_kwargs (per row too); "
+            "task score: logprobs and chat_template_kwargs only",
             f"  engine: {keys(EngineConfig, skip=('model',))}",
             f"  run: {keys(RunConfig)}",
             f"  ray (run.executor: ray): {keys(RayConfig)}",

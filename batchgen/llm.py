@@ -23,6 +23,7 @@ from batchgen.outputs import (
     ContinuationScore,
     RequestOutput,
     ScoreOutput,
+    TokenLogprobs,
 )
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 from batchgen.scoring import as_continuation_list, continuation_ids
@@ -212,7 +213,8 @@ class LLM:
                     num_cached_tokens=out.num_cached_tokens,
                     continuations=[
                         ContinuationScore(
-                            c.index, c.text, c.token_ids, c.cumulative_logprob or 0.0, len(c.token_ids), c.logprobs
+                            c.index, c.text, c.token_ids, c.cumulative_logprob or 0.0, len(c.token_ids),
+                            c.logprobs if isinstance(c.logprobs, TokenLogprobs) else None,
                         )
                         for c in out.outputs
                     ],

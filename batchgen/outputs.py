@@ -75,11 +75,15 @@ class TokenLogprobs(Sequence):
         decode = self._decode
         entry = {
             tid: Logprob(lp, r, decode(tid) if decode else None)
-            for r, (tid, lp) in enumerate(zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist()), start=1)
+            for r, (tid, lp) in enumerate(zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist(), strict=True), start=1)
         }
         tid = int(self.token_ids[i])
         entry[tid] = Logprob(float(self.logprobs[i]), int(self.ranks[i]), decode(tid) if decode else None)
         return entry
+
+    def decoded(self, token: int) -> str:
+        """A token's text (its id as text when no tokenizer was given)."""
+        return self._decode(token) if self._decode else str(token)
 
     def __iter__(self) -> Iterator[dict[int, Logprob]]:
         return (self[i] for i in range(len(self)))
@@ -105,7 +109,7 @@ class TokenLogprobs(Sequence):
         return sum(a.nbytes for a in (self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs))
 
     @classmethod
-    def from_entries(cls, entries: Sequence[dict[int, float]], token_ids: Sequence[int], k: int) -> TokenLogprobs:
+    def from_entries(cls, entries: Sequence[Any], token_ids: Sequence[int], k: int) -> TokenLogprobs:
         """From vLLM-style dicts (``{token: Logprob}``, the token's own entry and its top ``k``)."""
         n = len(token_ids)
         top_ids = np.zeros((n, k), dtype=np.int32)

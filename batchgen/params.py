@@ -412,3 +412,7 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+# any request's parameters: a sampling, a beam-search or a scoring request
+RequestParams = SamplingParams | BeamSearchParams | ScoreParams

@@ -150,7 +150,8 @@ class GptOssParser(ReasoningParser):
                 parser.process(t)
             except Exception:  # noqa: BLE001 - a completion cut short inside a header
                 break
-        reasoning, answer = [], []
+        reasoning: list[str] = []
+        answer: list[str] = []
         for message in parser.messages:
             text = "".join(c.text for c in message.content if hasattr(c, "text"))
             (answer if message.channel == "final" else reasoning).append(text)

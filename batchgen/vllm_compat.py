@@ -187,6 +187,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    reasoning_parser: str | None = None
     # vLLM's names
     swap_space: float | None = None
     enforce_eager: bool | None = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from batchgen.engine.block_manager import hash_block
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import RequestParams, SamplingParams
 
 T = TypeVar("T")
 
@@ -64,7 +64,7 @@ def prefix_order(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]
 
 
 def duplicate_key(
-    token_ids: Sequence[int], params: SamplingParams | BeamSearchParams, lora_id: int = 0
+    token_ids: Sequence[int], params: RequestParams, lora_id: int = 0
 ) -> tuple | None:
     """Requests with equal keys produce equal outputs: the same prompt, adapter and parameters, and
     parameters that leave nothing to chance (beam search, greedy, or an explicit seed: a seeded
@@ -80,7 +80,7 @@ def duplicate_key(
 
 def admission_plan(
     prompts: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams | BeamSearchParams],
+    params: Sequence[RequestParams],
     block_size: int,
     by_prefix: bool = True,
     lora_ids: Sequence[int] | None = None,

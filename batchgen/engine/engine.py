@@ -35,7 +35,7 @@ from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
 from batchgen.outputs import CompletionOutput, Logprob, LogprobsBuilder, RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
+from batchgen.params import BeamSearchParams, LoRARequest, RequestParams, SamplingParams, ScoreParams
 from batchgen.reasoning import make_parser
 from batchgen.utils import cdiv
 from batchgen.vllm_compat import EngineArgs, from_vllm_prompt
@@ -115,7 +115,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return None, list(prompt)
 
-    def validate(self, token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+    def validate(self, token_ids: list[int], params: RequestParams) -> None:
         if not token_ids:
             raise ValueError("prompt is empty (0 tokens)")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -160,10 +160,10 @@ class LLMEngine:
                 "raise num_kv_blocks / kv_cache_memory_gb or lower max_tokens / n"
             )
 
-    def _max_new(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> int:
+    def _max_new(self, num_prompt_tokens: int, params: RequestParams) -> int:
         return min(params.max_tokens or self.max_model_len, self.max_model_len - num_prompt_tokens)
 
-    def blocks_needed_alone(self, num_prompt_tokens: int, params: SamplingParams | BeamSearchParams) -> int:
+    def blocks_needed_alone(self, num_prompt_tokens: int, params: RequestParams) -> int:
         """The most KV blocks a request holds when it runs alone, the pool size it needs: its full
         prompt blocks once (shared by all its samples or beams), and per sample or beam its own
         blocks after them up to its last computed token (the last generated token's KV is never
@@ -176,7 +176,7 @@ class LLMEngine:
     def prepare(
         self,
         prompt: str | list[int],
-        params: SamplingParams | BeamSearchParams,
+        params: RequestParams,
         lora_request: LoRARequest | None = None,
     ) -> Prompt:
         """Tokenize and validate one request, compile its grammar (cached) and read its LoRA adapter
@@ -214,20 +214,20 @@ class LLMEngine:
             self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._structured
 
-    def compile_grammar(self, params: SamplingParams | BeamSearchParams) -> None:
+    def compile_grammar(self, params: RequestParams) -> None:
         """Compile ``params``' grammar, if it has one, into the cache; ``ValueError`` if it does not
         compile. Thread-safe: a job's reader thread compiles rows' grammars off the step loop."""
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
 
-    def _grammar_stops(self, params: SamplingParams | BeamSearchParams) -> list[int]:
+    def _grammar_stops(self, params: RequestParams) -> list[int]:
         return sorted(set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids)))
 
     def add_request(
         self,
         request_id: str,
         prompt: str | list[int] | Prompt,
-        params: SamplingParams | BeamSearchParams,
+        params: RequestParams,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue one request (``prepare``d already, or prepared here), on the LoRA adapter of
@@ -390,6 +390,7 @@ class LLMEngine:
             return
         c0 = first + 1 - seq.num_prompt_tokens  # the continuation token the first row scores
         targets = torch.tensor(cont[c0 : c0 + n], device=logits.device)
+        assert seq.score is not None
         for j, entry in enumerate(self._score_entries(logits[offset : offset + n].float(), targets, p.logprobs)):
             seq.score[c0 + j] = entry
 
@@ -415,7 +416,7 @@ class LLMEngine:
         for j, entry in enumerate(logprob_entries(logits[:n].float(), targets, [k] * n)):
             group.prompt_logprobs[chunk.start + 1 + j] = self._with_decoded(entry)
 
-    def _with_decoded(self, entry: dict[int, float]) -> dict[int, float]:
+    def _with_decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """Fill each ``Logprob``'s ``decoded_token`` (the token's text)."""
         for tid, value in entry.items():
             if isinstance(value, Logprob):
@@ -473,6 +474,7 @@ class LLMEngine:
             seq.token_ids.append(tok)
             seq.cumulative_logprob += lp
             if seq.logprobs is not None:
+                assert top is not None  # the request asked for logprobs
                 seq.logprobs.append(tok, lp, top.rank, top.ids, top.logprobs)
             ended = self._advance_grammar(seq, tok)
             if check_stop(seq, seq.group.params, self.eos_ids, self.max_model_len) or ended:  # type: ignore[arg-type]
@@ -497,6 +499,7 @@ class LLMEngine:
                     # allowed): as after the grammar's end, only end tokens, as the oracle's processor does
                     allow_only(mask, i, self._grammar_stops(seqs[i].group.params))
                 elif seqs[i].reasoning is not None and not seqs[i].reasoning.ended:
+                    assert self.reasoning is not None
                     allow_also(mask, i, self.reasoning.start[0])
         else:
             mask = full_mask(len(seqs), self.vocab_size)
@@ -510,6 +513,7 @@ class LLMEngine:
         is not the grammar's); True when that ends the sequence (the grammar is complete and has
         no stop token to wait for)."""
         if seq.reasoning is not None:
+            assert self.reasoning is not None
             budget = seq.group.params.thinking_token_budget
             if self.reasoning.advance(seq.reasoning, token, budget):
                 return False
@@ -646,11 +650,11 @@ class LLMEngine:
             end = self._decode(self.reasoning.end, False)
             start = self._decode(self.reasoning.start, False)
             if end in stopped:
-                reasoning, _, answer = stopped.partition(end)
-                return reasoning.replace(start, "", 1), answer
+                head, _, tail = stopped.partition(end)
+                return head.replace(start, "", 1), tail
             return None, stopped
-        reasoning, answer = self.reasoning.split(token_ids, lambda ids: self._decode(ids, skip_special))
-        return reasoning, answer or ""
+        thinking, answer = self.reasoning.split(token_ids, lambda ids: self._decode(ids, skip_special))
+        return thinking, answer or ""
 
     def _decode_token(self, token: int) -> str:
         return self._decode([token], False)

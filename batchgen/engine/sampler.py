@@ -416,7 +416,7 @@ def _draw_rows(
 
 def _logprobs(
     logits: torch.Tensor, raw_probs: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]
-) -> tuple[torch.Tensor, list[dict[int, float] | None]]:
+) -> tuple[torch.Tensor, list[TopLogprobs | None]]:
     """The raw model log-probability of each chosen token, and the top ``logprobs`` per row that
     asks for them. The log of the raw probability (softmax is cheaper than log_softmax); one that
     (nearly) underflowed is recomputed exactly for its row."""
@@ -439,7 +439,7 @@ class TopLogprobs(NamedTuple):
     def entry(self, token: int, logprob: float) -> dict[int, Logprob]:
         """vLLM's ``{token_id: Logprob}``: the top k and the chosen token."""
         out = {
-            t: Logprob(v, r) for r, (t, v) in enumerate(zip(self.ids.tolist(), self.logprobs.tolist()), start=1)
+            t: Logprob(v, r) for r, (t, v) in enumerate(zip(self.ids.tolist(), self.logprobs.tolist(), strict=True), start=1)
         }
         out[token] = Logprob(logprob, self.rank)
         return out
@@ -473,7 +473,7 @@ def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: list[int]) 
 
 def logprob_entries(
     logits: torch.Tensor, targets: torch.Tensor, top_k: list[int], target_logprobs: list[float] | None = None
-) -> list[dict[int, float]]:
+) -> list[dict[int, Logprob]]:
     """Per row of ``logits`` [n, vocab] (raw, float32): ``{token: Logprob}`` for the row's top
     ``top_k[j]`` tokens (ranks 1..k) and its ``targets[j]`` (``top_logprobs``), as vLLM reports
     ``prompt_logprobs``. ``target_logprobs`` overrides the targets' values."""

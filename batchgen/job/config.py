@@ -58,6 +58,9 @@ class OutputConfig:
     format: str = "parquet"
     rows_per_shard: int = 1000
     flush_seconds: float = 60.0
+    # per-token log-probabilities held for the writer: a shard is written once its rows hold this
+    # many MiB, and the rows waiting for the writer hold at most as much
+    max_shard_mb: float = 64.0
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,8 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
         if out.rows_per_shard < 1:
             problems.append("output.rows_per_shard: must be >= 1")
+        if not out.max_shard_mb > 0:
+            problems.append("output.max_shard_mb: must be > 0")
     for key in ("max_rows_in_flight", "lookahead_rows"):
         value = getattr(run, key)
         if value is not None and (not isinstance(value, int) or value < 1):

@@ -126,7 +126,8 @@ class ReplicaJobRunner:
             check_layout(self.out_dir, self.count, self.overwrite)
             fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
             key = output_id_key(self.cfg)
-            self.sinks = [ShardSink(self.out_dir, fmt, key, prefix=f"part{tag}", clean=False) for tag in self.tags]
+            self.sinks = [ShardSink(self.out_dir, fmt, key, prefix=f"part{tag}", clean=False,
+                                   output_fields=self.cfg.output_fields()) for tag in self.tags]
             done = self._done_report()
             return done if done is not None else self._run(signals)
 

@@ -98,7 +98,8 @@ class JobReplica(EngineReplica):
         self.input_schema = input_schema
         out_fmt = "parquet" if cfg.output.format == "parquet" else "openai"
         gate = CommitGate(Path(cfg.output.path) / BOOKKEEPING_DIR)
-        self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=gate)
+        self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=gate,
+                              output_fields=cfg.output_fields())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         units: dict[int, list[tuple[int, dict[str, Any]]]] = {}
@@ -183,8 +184,9 @@ _RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
 
 
 def _generated(row: dict[str, Any]) -> int:
-    if "num_generated_tokens" in row:
-        return int(row["num_generated_tokens"] or 0)
+    for key in ("num_generated_tokens", "num_scored_tokens"):
+        if key in row:
+            return int(row[key] or 0)
     body = ((row.get("response") or {}).get("body") or {}).get("usage") or {}
     return int(body.get("completion_tokens") or 0)
 

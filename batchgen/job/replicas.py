@@ -21,7 +21,7 @@ from batchgen.job.config import JobConfig
 from batchgen.job.rows import Request, RowCodec
 from batchgen.job.sink import output_schema, rows_table
 from batchgen.outputs import RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
+from batchgen.params import LoRARequest, RequestParams
 
 # Batches an actor works on at once: while one batch's last rows finish, the next one's fill the engine.
 CALLS_PER_REPLICA = 2
@@ -42,7 +42,7 @@ class EngineLoop:
         self._thread.start()
 
     def run(
-        self, requests: Sequence[tuple[str, list[int], SamplingParams | BeamSearchParams, LoRARequest | None]]
+        self, requests: Sequence[tuple[str, list[int], RequestParams, LoRARequest | None]]
     ) -> dict[str, RequestOutput | str]:
         """Outputs by request id (requests: id, token ids, parameters, adapter); a request the engine
         refused or gave up on maps to its error text."""
@@ -169,7 +169,7 @@ class EngineReplica:
         rows = batch.to_pylist()
         rids = [row_id(row, self.id_key) for row in rows]
         _, out_rows = self.generate_rows(rows, rids)
-        return rows_table(out_rows, output_schema(batch.schema, out_rows))
+        return rows_table(out_rows, output_schema(batch.schema, out_rows, output_fields=self.cfg.output_fields()))
 
 
 def apply_replicas(

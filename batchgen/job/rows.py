@@ -12,8 +12,9 @@ from typing import Any
 from batchgen.engine.sampler import splitmix64
 from batchgen.job.config import JobConfig
 from batchgen.job.sink import as_text, duplicate_id_error, row_identity
-from batchgen.outputs import RequestOutput
-from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams
+from batchgen.outputs import RequestOutput, TokenLogprobs
+from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
+from batchgen.scoring import as_continuation_list, continuation_ids
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Request:
     row: dict[str, Any]
     rid: str
     token_ids: list[int] | None = None
-    params: SamplingParams | BeamSearchParams | None = None
+    params: SamplingParams | BeamSearchParams | ScoreParams | None = None
     error: str | None = None
     chat: bool = False
     lora: LoRARequest | None = None  # the row's adapter (``input.lora_column``)
@@ -100,6 +101,7 @@ class RowCodec:
         self.cfg = cfg
         self.openai_in = openai_in
         self.loras = cfg.lora.requests()
+        self.scoring = cfg.task == "score"
 
     def build(
         self, tokenizer, row: dict[str, Any], rid: str, compile_grammar: Callable[[Any], None] | None = None
@@ -156,14 +158,18 @@ class RowCodec:
                     isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
                 ):
                     raise ValueError(f"{field} must be a non-empty list of {{role, content}} objects")
+                template_kwargs = self.cfg.template_kwargs(overrides)
                 try:
-                    text = tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=self.cfg.run.add_generation_prompt
+                    prompt_text = tokenizer.apply_chat_template(
+                        messages,
+                        tokenize=False,
+                        add_generation_prompt=self.cfg.run.add_generation_prompt or self.scoring,
+                        **template_kwargs,
                     )
                 except Exception as e:  # noqa: BLE001 - any template failure is this row's
                     raise ValueError(f"chat template failed: {e}") from None
                 req.chat = True
-                req.token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                req.token_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
             else:
                 field = prompt_field
                 if prompt is None:
@@ -172,12 +178,23 @@ class RowCodec:
                     raise ValueError(f"{field} must be text, got {type(prompt).__name__}")
                 if not prompt.strip():
                     raise ValueError(f"{field} is empty")
+                prompt_text = prompt
                 req.token_ids = tokenizer(prompt)["input_ids"]
             if not isinstance(req.token_ids, list) or not all(isinstance(t, int) for t in req.token_ids):
                 raise ValueError("did not tokenize to one list of token ids")
             if inp.lora_column and not self.openai_in:
                 field = inp.lora_column
                 req.lora = self._adapter(row.get(inp.lora_column))
+            if self.scoring:
+                field = inp.continuation_column or "continuation"
+                conts = as_continuation_list(row.get(field))
+                ids = [continuation_ids(tokenizer, prompt_text, req.token_ids, c, not req.chat) for c in conts]
+                for c, cont_ids in zip(conts, ids, strict=True):
+                    if not cont_ids:
+                        raise ValueError(f"continuation {c!r:.40} tokenizes to no tokens")
+                field = params_field
+                req.params = self.cfg.score_params(ids, overrides)
+                return req
             field = params_field
             params = self.cfg.params(overrides)
             if isinstance(params, SamplingParams) and (params.seed is None or "seed" not in overrides):
@@ -207,16 +224,21 @@ class RowCodec:
             return self.openai_row(req, out, error)
         row = dict(req.row)
         row.pop("__error__", None)
+        gen = self.cfg.generation
+        if self.scoring:
+            return self._score_row(row, out, error, req)
         if out is None:
             row.update(
                 completions=None,
                 num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
                 num_generated_tokens=0,
+                **({"prompt_logprobs": None} if gen.get("prompt_logprobs") is not None else {}),
                 error=error,
             )
             return row
-        comps = [
-            dict(
+        comps = []
+        for c in out.outputs:
+            comp = dict(
                 index=c.index,
                 text=c.text,
                 token_ids=c.token_ids,
@@ -224,14 +246,37 @@ class RowCodec:
                 score=c.score,
                 finish_reason=c.finish_reason,
             )
-            for c in out.outputs
-        ]
+            if gen.get("reasoning_parser"):
+                comp["reasoning"] = c.reasoning
+            if gen.get("logprobs") is not None:
+                comp["logprobs"] = logprob_columns(c.logprobs)
+            comps.append(comp)
         row.update(
             completions=comps,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_generated_tokens=sum(len(c.token_ids) for c in out.outputs),
             error=None,
         )
+        if gen.get("prompt_logprobs") is not None:
+            row["prompt_logprobs"] = prompt_logprob_columns(out, req.params)
+        return row
+
+    def _score_row(self, row: dict[str, Any], out: RequestOutput | None, error: str | None, req: Request) -> dict[str, Any]:
+        """A scoring job's row: each continuation's total log-probability and token count."""
+        if out is None:
+            row.update(scores=None, num_prompt_tokens=len(req.token_ids) if req.token_ids else None,
+                       num_scored_tokens=0, error=error)
+            return row
+        with_logprobs = self.cfg.generation.get("logprobs") is not None
+        scores = []
+        for c in out.outputs:
+            entry = dict(index=c.index, text=c.text, token_ids=c.token_ids, logprob=c.cumulative_logprob,
+                         num_tokens=len(c.token_ids))
+            if with_logprobs:
+                entry["logprobs"] = logprob_columns(c.logprobs)
+            scores.append(entry)
+        row.update(scores=scores, num_prompt_tokens=len(out.prompt_token_ids),
+                   num_scored_tokens=sum(len(c.token_ids) for c in out.outputs), error=None)
         return row
 
     def openai_row(self, req: Request, out: RequestOutput | None, error: str | None) -> dict[str, Any]:
@@ -248,22 +293,22 @@ class RowCodec:
                 "error": {"code": "invalid_request", "message": error},
             }
         n_gen = sum(len(c.token_ids) for c in out.outputs)
-        choices: list[dict[str, Any]]
-        if req.chat:
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason,
-                }
-                for c in out.outputs
-            ]
-            obj = "chat.completion"
-        else:
-            choices = [
-                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in out.outputs
-            ]
-            obj = "text_completion"
+        reasoning = bool(self.cfg.generation.get("reasoning_parser"))
+        choices: list[dict[str, Any]] = []
+        for c in out.outputs:
+            if req.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                if reasoning:  # vLLM's server field
+                    message["reasoning_content"] = c.reasoning
+                choice: dict[str, Any] = {"index": c.index, "message": message, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+                if reasoning:
+                    choice["reasoning_content"] = c.reasoning
+            if isinstance(c.logprobs, TokenLogprobs):
+                choice["logprobs"] = openai_logprobs(c.logprobs, req.chat)
+            choices.append(choice)
+        obj = "chat.completion" if req.chat else "text_completion"
         body = {
             "id": f"cmpl-{rid}",
             "object": obj,
@@ -283,3 +328,69 @@ class RowCodec:
             "response": {"status_code": 200, "request_id": rid, "body": body},
             "error": None,
         }
+
+
+def logprob_columns(logprobs: Any) -> dict[str, Any] | None:
+    """A completion's ``TokenLogprobs`` as the ``logprobs`` struct (``LOGPROBS_TYPE``): its arrays
+    as they are, the top k one array row per token."""
+    if logprobs is None:
+        return None
+    return {
+        "token_ids": logprobs.token_ids,
+        "logprobs": logprobs.logprobs,
+        "ranks": logprobs.ranks,
+        "top_token_ids": list(logprobs.top_ids),
+        "top_logprobs": list(logprobs.top_logprobs),
+    }
+
+
+def prompt_logprob_columns(out: RequestOutput, params: Any) -> dict[str, Any] | None:
+    """The prompt's log-probabilities (tokens 1..P-1; the first has none) as the ``LOGPROBS_TYPE``
+    struct."""
+    entries = out.prompt_logprobs
+    if entries is None:
+        return None
+    k = getattr(params, "prompt_logprobs", None) or 0
+    return logprob_columns(TokenLogprobs.from_entries(entries[1:], out.prompt_token_ids[1:], k))
+
+
+def openai_logprobs(logprobs: TokenLogprobs, chat: bool) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice: chat's ``content`` list (token, logprob, bytes,
+    top_logprobs), or the completions API's parallel lists."""
+    text = logprobs.decoded
+    rows = zip(logprobs.token_ids.tolist(), logprobs.logprobs.tolist(), logprobs.top_ids.tolist(),
+               logprobs.top_logprobs.tolist(), strict=True)
+    if chat:
+        def item(token: int, lp: float) -> dict[str, Any]:
+            return {"token": text(token), "logprob": lp, "bytes": list(text(token).encode("utf-8"))}
+
+        return {"content": [
+            {**item(t, lp), "top_logprobs": [item(a, b) for a, b in zip(ta, tb, strict=True)]} for t, lp, ta, tb in rows
+        ]}
+    tokens, values, tops = [], [], []
+    for t, lp, ta, tb in rows:
+        tokens.append(text(t))
+        values.append(lp)
+        tops.append({text(a): b for a, b in zip(ta, tb, strict=True)})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
+
+
+_ARRAY_OVERHEAD = 112  # bytes of a numpy array object besides its data
+
+
+def row_bytes(row: Any) -> int:
+    """About how many bytes an output row's per-token log-probabilities hold (0 without them)."""
+    if not isinstance(row, dict):
+        return 0
+    total = 0
+    body = ((row.get("response") or {}).get("body") or {}) if "response" in row else {}
+    for item in [*(row.get("completions") or row.get("scores") or []), row.get("prompt_logprobs")]:
+        lp = item.get("logprobs") if isinstance(item, dict) and "logprobs" in item else item
+        if isinstance(lp, dict) and "top_token_ids" in lp:
+            total += sum(lp[k].nbytes for k in ("token_ids", "logprobs", "ranks"))
+            total += sum(a.nbytes + _ARRAY_OVERHEAD for k in ("top_token_ids", "top_logprobs") for a in lp[k])
+    for choice in body.get("choices") or []:  # the OpenAI format: lists and dicts, about 100 bytes a value
+        lp = choice.get("logprobs") or {}
+        items = lp.get("content") or lp.get("top_logprobs") or []
+        total += sum(100 * (1 + len(x.get("top_logprobs") if "top_logprobs" in x else x)) for x in items)
+    return total

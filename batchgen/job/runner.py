@@ -41,7 +41,7 @@ from batchgen.job.lifecycle import (
 )
 from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
-from batchgen.job.rows import Request, RowCodec, RowIdentities
+from batchgen.job.rows import Request, RowCodec, RowIdentities, row_bytes
 from batchgen.job.sink import ShardSink, atomic_write_bytes
 from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
 from batchgen.outputs import RequestOutput
@@ -50,6 +50,27 @@ _END = object()
 RATE_WINDOW_S = 30.0  # the progress bar's tokens/s is measured over this many recent seconds
 BOOKKEEPING_DIR = ".batchgen"  # manifest, report and locks, inside the output directory
 QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
+class _OutputQueue(queue.Queue):
+    """Output rows for the writer, bounded by their count and by the bytes of their per-token
+    log-probabilities (``row_bytes``): a put waits while the rows queued hold ``max_bytes``."""
+
+    def __init__(self, maxsize: int, max_bytes: int) -> None:
+        super().__init__(maxsize)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+
+    def _put(self, item: Any) -> None:
+        self.bytes += row_bytes(item)
+        super()._put(item)
+
+    def _get(self) -> Any:
+        item = super()._get()
+        self.bytes -= row_bytes(item)
+        return item
+
+    def _qsize(self) -> int:
+        n = len(self.queue)
+        return max(n, self.maxsize) if n and self.bytes >= self.max_bytes else n
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -163,7 +184,8 @@ class JobRunner:
             for tmp in path.parent.glob(f".{path.name}.*tmp"):
                 tmp.unlink()
         out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
-        sink = ShardSink(self.out_dir, out_fmt, self.id_key, prefix=self.shard_prefix)
+        sink = ShardSink(self.out_dir, out_fmt, self.id_key, prefix=self.shard_prefix,
+                         output_fields=self.cfg.output_fields())
         self.manifest = {"fingerprint": fingerprint, "config": self.cfg.source_file, "shards": sink.shard_rows()}
         return sink
 
@@ -252,8 +274,10 @@ class JobRunner:
     # -- output rows ---------------------------------------------------------------------------
     def _writer(self, sink: ShardSink, q: queue.Queue, schema, errors: list[BaseException]) -> None:
         buf: list[dict[str, Any]] = []
+        held = 0  # bytes of per-token arrays in buf
         last = time.monotonic()
         per_shard, flush_s = self.cfg.output.rows_per_shard, self.cfg.output.flush_seconds
+        max_bytes = int(self.cfg.output.max_shard_mb * 2**20)
         try:
             while True:
                 try:
@@ -264,10 +288,11 @@ class JobRunner:
                     break
                 if item is not None:
                     buf.append(item)
-                if buf and (len(buf) >= per_shard or time.monotonic() - last >= flush_s):
+                    held += row_bytes(item)
+                if buf and (len(buf) >= per_shard or held >= max_bytes or time.monotonic() - last >= flush_s):
                     sink.write(buf, schema)
                     self._write_manifest(sink)
-                    buf, last = [], time.monotonic()
+                    buf, held, last = [], 0, time.monotonic()
             if buf:
                 sink.write(buf, schema)
                 self._write_manifest(sink)
@@ -304,7 +329,8 @@ class JobRunner:
         # Bounded queues keep memory flat: the reader runs at most two engine-fulls of rows ahead,
         # the writer at most a few shards behind; the floor keeps tiny configs from stalling.
         req_q: queue.Queue = queue.Queue(maxsize=max(2 * cap, QUEUE_FLOOR))
-        out_q: queue.Queue = queue.Queue(maxsize=4 * self.cfg.output.rows_per_shard + QUEUE_FLOOR)
+        out_q: queue.Queue = _OutputQueue(4 * self.cfg.output.rows_per_shard + QUEUE_FLOOR,
+                                          int(self.cfg.output.max_shard_mb * 2**20))
         stop = threading.Event()
         writer_errors: list[BaseException] = []
         schema = None if self.openai_in else schema_of(self.files, self.fmt, self.cfg.input.id_column)

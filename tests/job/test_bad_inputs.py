@@ -113,24 +113,28 @@ def test_an_output_path_that_is_a_file_is_refused_with_the_config(tmp_path, llam
     assert "invalid job config" in res.stderr
 
 
-def test_a_generation_key_the_output_cannot_hold_is_refused_not_dropped(tmp_path, llama_dir):
-    """``logprobs`` / ``prompt_logprobs`` have no output column: in ``generation`` they refuse the
-    job (exit 2, before the model loads); in a row's parameters they are that row's error."""
+def test_a_row_key_the_output_cannot_hold_is_refused_not_dropped(tmp_path, llama_dir):
+    """The output's columns follow the job's ``generation``: a row asking for ``logprobs`` /
+    ``prompt_logprobs`` in a job without those columns gets an error naming the key (and the job's
+    key that adds the column), not a silent drop; the rows of a job with them carry them."""
     data = tmp_path / "in.parquet"
     params = ['{"logprobs": 3}', None, '{"prompt_logprobs": 1}']
     pq.write_table(pa.table({"id": [0, 1, 2], "prompt": ["a b", "c d", "e f"], "params": params}), data)
     spec = {"path": str(data), "prompt_column": "prompt", "id_column": "id", "params_column": "params"}
-    for key in ("logprobs", "prompt_logprobs"):
-        config = write_config(tmp_path, llama_dir, spec, {**GEN, key: 2}, name=f"{key}.yaml")
-        res = run_job(config)
-        assert res.returncode == 2 and f"generation.{key}: a job's output has no per-token" in res.stderr, res.stderr
-        assert not (tmp_path / "out").exists()
     config = write_config(tmp_path, llama_dir, spec, GEN, run={"max_failed_fraction": 1.0})
     assert run_job(config).returncode == 0
-    out = {r["id"]: r["error"] for r in read_output(tmp_path / "out")}
-    assert out[1] is None
-    assert out[0].startswith("params: logprobs: a job's output has no per-token log-probabilities"), out[0]
-    assert out[2].startswith("params: prompt_logprobs: "), out[2]
+    out = {r["id"]: r for r in read_output(tmp_path / "out")}
+    assert out[1]["error"] is None and "prompt_logprobs" not in out[1]
+    assert out[0]["error"] == "params: logprobs: the job writes no logprobs column; set generation.logprobs in the job config for it"
+    assert out[2]["error"].startswith("params: prompt_logprobs: the job writes no prompt_logprobs column")
+    config = write_config(tmp_path, llama_dir, spec, {**GEN, "logprobs": 2, "prompt_logprobs": 0},
+                          name="with.yaml", output={"path": str(tmp_path / "out2")})
+    assert run_job(config).returncode == 0
+    rows = {r["id"]: r for r in read_output(tmp_path / "out2")}
+    assert all(r["error"] is None for r in rows.values())
+    assert len(rows[0]["completions"][0]["logprobs"]["top_token_ids"][0]) == 3  # the row's own k
+    assert len(rows[1]["completions"][0]["logprobs"]["top_token_ids"][0]) == 2
+    assert len(rows[2]["prompt_logprobs"]["top_token_ids"][0]) == 1 and rows[0]["prompt_logprobs"]["top_token_ids"][0] == []
 
 
 def test_openai_output_lines_survive_any_line_reader(tmp_path, llama_dir):
