@@ -106,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/bench-56m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeat", type=int, default=1, help="alternate the sides this many times; medians reported")
     ap.add_argument("--json", default="bench-score.json")
     args = ap.parse_args()

@@ -468,7 +468,9 @@ def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: list[int]) 
     ranks = ((logits > logits.gather(1, targets[:, None])).sum(dim=-1) + 1).tolist()
     ids_np = ids.to(torch.int32).cpu().numpy()
     vals_np = vals.float().cpu().numpy()
-    return [TopLogprobs(ranks[j], ids_np[j, :kk], vals_np[j, :kk]) for j, kk in enumerate(top_k)]
+    # each row's own copy: a view would keep the whole step's arrays (with k = 0, its log-softmax)
+    # alive for as long as the sequence holds its row
+    return [TopLogprobs(ranks[j], ids_np[j, :kk].copy(), vals_np[j, :kk].copy()) for j, kk in enumerate(top_k)]
 
 
 def logprob_entries(
