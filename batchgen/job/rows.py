@@ -131,6 +131,10 @@ class RowCodec:
                 }
                 if "max_completion_tokens" in overrides:
                     overrides["max_tokens"] = overrides.pop("max_completion_tokens")
+                if isinstance(overrides.get("logprobs"), bool) or "top_logprobs" in overrides:
+                    # the chat API's logprobs: true with top_logprobs: k (vLLM's server maps them so)
+                    top = overrides.pop("top_logprobs", None)
+                    overrides["logprobs"] = (top or 0) if overrides.pop("logprobs", False) else None
                 if "response_format" in overrides:
                     structured = _response_format(overrides.pop("response_format"))
                     if structured is not None:

@@ -202,7 +202,8 @@ def test_reasoning_job_with_template_kwargs_per_job_and_row(tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text(json.dumps({"custom_id": "r0", "method": "POST", "url": "/v1/chat/completions",
                                  "body": {"messages": rows[0]["messages"], "max_tokens": 12, "temperature": 0,
-                                          "ignore_eos": True, "thinking_token_budget": 4, "logprobs": 2}}) + "\n")
+                                          "ignore_eos": True, "thinking_token_budget": 4, "logprobs": True,
+                                          "top_logprobs": 2}}) + "\n")
     config = write_config(tmp_path, model, {"path": str(batch)}, {"reasoning_parser": "deepseek_r1", "logprobs": 2,
                                                                "chat_template_kwargs": {"style": "long"}},
                           name="openai.yaml", output={"path": str(tmp_path / "oai"), "format": "openai"})
