@@ -155,9 +155,14 @@ class JobConfig:
     def engine_config(self) -> EngineConfig:
         """The engine's settings: ``engine:``, with LoRA switched on when ``lora:`` names adapters
         and the reasoning parser of ``generation.reasoning_parser``."""
-        parser = self.generation.get("reasoning_parser")
+        parser = self.reasoning_parser
         extra = {"reasoning_parser": parser} if parser else {}
         return EngineConfig.from_kwargs(self.model, **{**self.engine, **extra, **self.lora.engine_settings()})
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The reasoning parser: ``generation.reasoning_parser``, or the engine setting."""
+        return self.generation.get("reasoning_parser") or self.engine.get("reasoning_parser")
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -172,7 +177,7 @@ class JobConfig:
         return generation_fields(
             logprobs=gen.get("logprobs") is not None,
             prompt_logprobs=gen.get("prompt_logprobs") is not None,
-            reasoning=bool(gen.get("reasoning_parser")),
+            reasoning=bool(self.reasoning_parser),
         )
 
     def template_kwargs(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -227,7 +232,7 @@ class JobConfig:
             if model.is_dir()
             else []
         )
-        result_engine = {k: v for k, v in self.engine.items() if k in ("dtype", "max_model_len", "seed")}
+        result_engine = {k: v for k, v in self.engine.items() if k in ("dtype", "max_model_len", "seed", "reasoning_parser")}
         return {
             **({"task": self.task} if self.task != "generate" else {}),
             "model": str(model.resolve()),
@@ -407,6 +412,10 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append(f"task: must be one of {', '.join(TASKS)}, got {task!r}")
         task = "generate"
     gen = _mapping(data, "generation", problems, lambda v: _check_generation(v, task))
+    if gen.get("thinking_token_budget") is not None and not (
+        gen.get("reasoning_parser") or (isinstance(data.get("engine"), dict) and data["engine"].get("reasoning_parser"))
+    ):
+        problems.append("generation.thinking_token_budget: needs generation.reasoning_parser (the end tag to force)")
     if inp is not None:
         _check_input(inp, problems)
         if task == "score" and not inp.continuation_column:

@@ -250,7 +250,7 @@ class RowCodec:
                 score=c.score,
                 finish_reason=c.finish_reason,
             )
-            if gen.get("reasoning_parser"):
+            if self.cfg.reasoning_parser:
                 comp["reasoning"] = c.reasoning
             if gen.get("logprobs") is not None:
                 comp["logprobs"] = logprob_columns(c.logprobs)
@@ -297,7 +297,7 @@ class RowCodec:
                 "error": {"code": "invalid_request", "message": error},
             }
         n_gen = sum(len(c.token_ids) for c in out.outputs)
-        reasoning = bool(self.cfg.generation.get("reasoning_parser"))
+        reasoning = bool(self.cfg.reasoning_parser)
         choices: list[dict[str, Any]] = []
         for c in out.outputs:
             if req.chat:

@@ -168,6 +168,8 @@ def test_score_job_config_refusals(tmp_path, llama_dir):
     assert res.returncode == 2 and "task: must be one of generate, score" in res.stderr
     res = run_job(write_config(tmp_path, llama_dir, inp, {"reasoning_parser": "r1"}))
     assert res.returncode == 2 and "reasoning_parser must be one of deepseek_r1, gpt_oss, qwen3" in res.stderr
+    res = run_job(write_config(tmp_path, llama_dir, {**inp, "continuation_column": None}, {"thinking_token_budget": 8}))
+    assert res.returncode == 2 and "generation.thinking_token_budget: needs generation.reasoning_parser" in res.stderr
 
 
 def test_reasoning_job_with_template_kwargs_per_job_and_row(tmp_path):
