@@ -211,7 +211,7 @@ def _config_keys() -> str:
     return "\n".join(
         [
             "config keys (see the README's Jobs section; every problem is listed at once, exit 2):",
-            "  model: path of a local Hugging Face model directory (required)",
+            "  model: a local Hugging Face model directory or a hub id, from the Hugging Face cache (required)",
             f"  input: {keys(InputConfig)}",
             f"  output: {keys(OutputConfig)}",
             "  task: generate (default) or score (each row's input.continuation_column scored after its prompt)",

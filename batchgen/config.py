@@ -59,6 +59,11 @@ class EngineConfig:
     # split each completion into its reasoning and its answer (batchgen/reasoning.py): qwen3,
     # deepseek_r1, gpt_oss (vLLM's names); grammars then constrain the answer only
     reasoning_parser: str | None = None
+    # a hub id's revision (a branch, tag or commit hash) for the model and the tokenizer, and the
+    # hub cache to look in (default: huggingface_hub's, HF_HOME / HF_HUB_CACHE); batchgen/model/hub.py
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, rule: str) -> ValueError:

@@ -54,9 +54,12 @@ class LLM:
     """
 
     def __init__(self, model: str, *, profiler_config: Any = None, **kwargs: Any) -> None:
+        """``model``: a local directory or a hub id (``revision=``, ``download_dir=``; see
+        ``batchgen/model/hub.py``)."""
         self.config = EngineConfig.from_kwargs(str(model), **from_vllm_kwargs(str(model), kwargs))
         self._profile_dir = _profile_dir(profiler_config)
         self.engine = LLMEngine(self.config)
+        self.config = self.engine.cfg  # a hub id resolved to its local snapshot
         self._ids = itertools.count()
         self.duplicates_merged = 0  # identical deterministic requests computed once (admission_order="prefix")
         self._request_metrics = metrics.RequestMetrics()

@@ -35,12 +35,9 @@ NO_EFFECT = frozenset(
         "disable_log_requests",
         "enable_log_requests",
         "served_model_name",
-        "download_dir",
         "load_format",
         "tokenizer_mode",
-        "revision",
         "code_revision",
-        "tokenizer_revision",
         "hf_token",
         "max_seq_len_to_capture",
         "cuda_graph_sizes",
@@ -188,6 +185,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     reasoning_parser: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     # vLLM's names
     swap_space: float | None = None
     enforce_eager: bool | None = None
@@ -200,10 +200,8 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     disable_log_stats: bool | None = None
     served_model_name: str | None = None
-    download_dir: str | None = None
     load_format: str | None = None
     tokenizer_mode: str | None = None
-    revision: str | None = None
     max_logprobs: int | None = None
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,6 +32,7 @@ from batchgen.engine.structured import (
     apply_bitmask,
     full_mask,
 )
+from batchgen.model.hub import local_dir, snapshot_revision
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
@@ -75,7 +77,14 @@ class LLMEngine:
     ``has_unfinished_requests()``."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+        cfg = replace(
+            cfg,
+            model=local_dir(cfg.model, cfg.revision, "model", cfg.download_dir),
+            tokenizer=local_dir(cfg.tokenizer, cfg.tokenizer_revision, "tokenizer", cfg.download_dir)
+            if cfg.tokenizer else None,
+        )
+        self.cfg = cfg  # with hub ids resolved to their local snapshots
+        self.model_revision = snapshot_revision(cfg.model)  # the commit of a hub model, else None
         self.hf_config = load_config(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.max_model_len = cfg.max_model_len or int(self.hf_config.max_position_embeddings)

@@ -19,6 +19,7 @@ import yaml
 from batchgen.config import EngineConfig
 from batchgen.job.sink import generation_fields, score_fields
 from batchgen.job.source import check_readable, column_names, schema_of
+from batchgen.model.hub import local_dir, snapshot_revision
 from batchgen.model.loader import tokenizer_problem
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 
@@ -98,16 +99,20 @@ class RayConfig:
 class LoRAConfig:
     """``lora:``: PEFT LoRA adapters by name, for ``input.lora_column``."""
 
-    adapters: dict[str, str] = field(default_factory=dict)  # name -> adapter directory
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> adapter directory or hub id
     max_loras: int | None = None  # resident at once; default: all of them, at most 4
     max_lora_rank: int | None = None  # default: the largest rank among the adapters
 
     def requests(self) -> dict[str, LoRARequest]:
         """One ``LoRARequest`` per adapter, ids 1, 2, ... in name order."""
         return {
-            name: LoRARequest(name, i, str(Path(path).resolve()))
-            for i, (name, path) in enumerate(sorted(self.adapters.items()), start=1)
+            name: LoRARequest(name, i, str(Path(self.directory(name)).resolve()))
+            for i, name in enumerate(sorted(self.adapters), start=1)
         }
+
+    def directory(self, name: str) -> str:
+        """Adapter ``name``'s directory (a hub id's cached snapshot)."""
+        return local_dir(self.adapters[name], None, f"lora.adapters.{name}")
 
     def engine_settings(self) -> dict[str, Any]:
         if not self.adapters:
@@ -115,15 +120,15 @@ class LoRAConfig:
         return {
             "enable_lora": True,
             "max_loras": self.max_loras or min(len(self.adapters), 4),
-            "max_lora_rank": self.max_lora_rank or max(adapter_rank(p) for p in self.adapters.values()),
+            "max_lora_rank": self.max_lora_rank or max(adapter_rank(self.directory(n)) for n in self.adapters),
         }
 
     def fingerprint(self) -> dict[str, str]:
         """Each adapter's files, hashed: a changed adapter is a changed config."""
         out = {}
-        for name, path in sorted(self.adapters.items()):
+        for name in sorted(self.adapters):
             digest = hashlib.sha256()
-            for f in sorted(p for p in Path(path).glob("*") if p.is_file()):
+            for f in sorted(p for p in Path(self.directory(name)).glob("*") if p.is_file()):
                 digest.update(f.name.encode() + b"\0" + f.read_bytes())
             out[name] = digest.hexdigest()[:16]
         return out
@@ -221,8 +226,11 @@ class JobConfig:
         return ScoreParams(continuations=continuations, logprobs=logprobs)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What decides the results: a changed value here makes a resume refuse."""
-        model = Path(self.model)
+        """What decides the results: a changed value here makes a resume refuse. A hub model is
+        named by its id and the commit its snapshot holds, so a moved branch refuses too."""
+        local = Path(local_dir(self.model, self.engine.get("revision"), "model", self.engine.get("download_dir")))
+        hub = not Path(self.model).is_dir()
+        model = local
         weights = (
             sorted(
                 (p.name, p.stat().st_size)
@@ -235,7 +243,8 @@ class JobConfig:
         result_engine = {k: v for k, v in self.engine.items() if k in ("dtype", "max_model_len", "seed", "reasoning_parser")}
         return {
             **({"task": self.task} if self.task != "generate" else {}),
-            "model": str(model.resolve()),
+            "model": self.model if hub else str(model.resolve()),
+            **({"model_revision": snapshot_revision(str(local))} if hub else {}),
             "model_files": hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:16],
             "engine": result_engine,
             "generation": self.generation,
@@ -391,10 +400,19 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
     model = data.get("model")
+    engine_raw: dict[str, Any] = data["engine"] if isinstance(data.get("engine"), dict) else {}
+    model_dir = None
     if not isinstance(model, str) or not model:
-        problems.append("model: required, the path of a local Hugging Face model directory")
-    elif not Path(model).is_dir():
-        problems.append(f"model: directory {model!r} does not exist{_relative_note(model)}")
+        problems.append("model: required, a local Hugging Face model directory or a hub id (org/name)")
+    else:
+        try:
+            model_dir = local_dir(model, engine_raw.get("revision"), "model", engine_raw.get("download_dir"))
+        except ValueError as e:
+            if Path(model).is_dir():
+                problems.append(f"model: {e}")
+            else:
+                reason = str(e) if "hub id" in str(e) else f"as a hub id, {e}"
+                problems.append(f"model: directory {model!r} does not exist{_relative_note(model)}; {reason}")
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
         problems.append(
@@ -424,9 +442,15 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             problems.append("input.continuation_column: only a scoring job reads it; set task: score")
         if inp.lora_column and not lora.adapters:
             problems.append("input.lora_column: needs adapters to name (lora.adapters: {NAME: PATH})")
-    if isinstance(model, str) and model and Path(model).is_dir():
-        tok_dir = (data.get("engine") or {}).get("tokenizer") if isinstance(data.get("engine"), dict) else None
-        problem = tokenizer_problem(tok_dir or model)
+    if model_dir is not None:
+        tok_dir = engine_raw.get("tokenizer")
+        if tok_dir is not None:
+            try:
+                tok_dir = local_dir(tok_dir, engine_raw.get("tokenizer_revision"), "tokenizer", engine_raw.get("download_dir"))
+            except ValueError as e:
+                problems.append(f"engine.tokenizer: {e}")
+                tok_dir = None
+        problem = tokenizer_problem(tok_dir or model_dir)
         if problem is not None:
             problems.append(f"{'engine.tokenizer' if tok_dir else 'model'}: {problem}")
     if task == "score" and inp is not None and out is not None and "openai" in (inp.format, out.format):
@@ -523,7 +547,12 @@ def _lora_section(raw: Any, problems: list[str]) -> LoRAConfig:
         problems.append("lora.adapters: must map adapter names to adapter directories ({NAME: PATH})")
         return LoRAConfig()
     for name, path in adapters.items():
-        if not (Path(path) / "adapter_config.json").is_file():
+        try:
+            where = local_dir(path, None, f"lora.adapters.{name}")
+        except ValueError as e:
+            problems.append(f"{e}{_relative_note(path)}")
+            continue
+        if not (Path(where) / "adapter_config.json").is_file():
             problems.append(
                 f"lora.adapters.{name}: {path!r} is not a PEFT adapter directory (no adapter_config.json)"
                 + _relative_note(path)

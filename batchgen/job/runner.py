@@ -218,15 +218,18 @@ class JobRunner:
         counts: dict[str, int],
         stop: threading.Event,
         state: dict[str, tuple[int, int]],
+        tokenizer_dir: str,
     ) -> None:
+        """``tokenizer_dir``: the engine's (a hub id resolved); the reader loads its own copy, so
+        that it never shares the Rust tokenizer with the main thread."""
         from batchgen.model.loader import load_tokenizer
 
-        tokenizer = load_tokenizer(self.cfg.engine.get("tokenizer") or self.cfg.model)
         sh_i, sh_n = self.shard or (0, 1)
         identities = RowIdentities("custom_id" if self.openai_in else self.cfg.input.id_column)
         position = 0
         limit = self.cfg.input.limit
         try:
+            tokenizer = load_tokenizer(tokenizer_dir)
             for batch in iter_rows(self.files, self.fmt, self.cfg.input.batch_rows):
                 if stop.is_set():
                     return
@@ -336,7 +339,7 @@ class JobRunner:
         schema = None if self.openai_in else schema_of(self.files, self.fmt, self.cfg.input.id_column)
         reader = threading.Thread(
             target=self._reader,
-            args=(req_q, engine.compile_grammar, done, counts, stop, state),
+            args=(req_q, engine.compile_grammar, done, counts, stop, state, engine.cfg.tokenizer or engine.cfg.model),
             name="batchgen-reader",
             daemon=True,
         )

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from batchgen.model.hub import local_dir
 from batchgen.model.linear import Linear
 from batchgen.params import LoRARequest
 
@@ -126,8 +127,8 @@ def read_adapter(request: LoRARequest, model: DecoderModel, max_lora_rank: int) 
     """Read and check an adapter directory against the model; ``ValueError`` names what is wrong."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     path = Path(request.lora_path)
-    if not path.is_dir():
-        raise ValueError(f"{where}: no such directory")
+    if not path.is_dir():  # a hub id: its cached (or downloaded) snapshot
+        path = Path(local_dir(request.lora_path, None, f"LoRA adapter {request.lora_name!r}"))
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is expected)")

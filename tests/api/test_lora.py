@@ -202,7 +202,7 @@ def test_bad_adapters_are_refused_before_anything_runs(llama_dir, adapters, mode
         with pytest.raises(ValueError, match=match):
             llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("bad", lora_id, path))
 
-    refused(str(tmp_path / "nowhere"), "no such directory")
+    refused(str(tmp_path / "nowhere"), "does not exist")
     refused(adapters["r16"], "rank 16, above max_lora_rank=8")
     refused(_copy_with_config(adapters["r4"], tmp_path / "dora", use_dora=True), "DoRA")
     refused(_copy_with_config(adapters["r4"], tmp_path / "mts", modules_to_save=["lm_head"]), "modules_to_save")

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Modules read at import time from these variables: a process forked from the server runs with the
 # values the server started with, so a different value there needs an interpreter of its own.
-_READ_AT_IMPORT = ("BATCHGEN_", "OMP_", "MKL_", "KMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH_", "PYTHONHASHSEED")
+_READ_AT_IMPORT = ("BATCHGEN_", "OMP_", "MKL_", "KMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH_", "PYTHONHASHSEED",
+                   "HF_")  # huggingface_hub's constants (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE)
 # What a job imports, loaded once by the server its processes fork from.
 _PRELOAD = [
     "torch",
