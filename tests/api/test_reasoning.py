@@ -14,12 +14,11 @@ import torch
 from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.reasoning import make_parser
 from batchgen.tiny import make_model
-from tests.oracle import hf_model
+from tests.api.test_structured import EOS, GrammarProcessor, allow_only_token, hf_generate
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-EOS = 2
 SCHEMA = {
     "type": "object",
     "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
@@ -91,54 +90,26 @@ def test_split_follows_vllms_rules(models, name):
 
 
 # -- generation against transformers ----------------------------------------------------------------
-class ReasoningGrammarProcessor:
+class ReasoningGrammarProcessor(GrammarProcessor):
     """The oracle: a completion is inside its reasoning until its first </think>; with a budget B,
     the token after B reasoning tokens is </think>; after it, the JSON grammar (rebuilt per row from
     the answer's tokens) and then EOS only."""
 
     def __init__(self, compiled, prompt_len: int, budget: int, end: int) -> None:
-        self.compiled, self.prompt_len, self.budget, self.end = compiled, prompt_len, budget, end
+        super().__init__(compiled, prompt_len)
+        self.budget, self.end = budget, end
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        mask = xgr.allocate_token_bitmask(input_ids.shape[0], scores.shape[-1])
-        for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
-            if self.end not in ids:
-                if len(ids) >= self.budget:
-                    mask[row] = 0
-                    mask[row, self.end // 32] = 1 << (self.end % 32)
-                # else: thinking, every token allowed (the mask's default)
-                continue
-            matcher = xgr.GrammarMatcher(self.compiled, override_stop_tokens=[EOS])
-            for t in ids[ids.index(self.end) + 1 :]:
-                if matcher.is_terminated():
-                    break
-                assert matcher.accept_token(t), (ids, t)
-            if matcher.is_terminated():
-                mask[row] = 0
-                mask[row, EOS // 32] = 1 << (EOS % 32)
-            else:
-                matcher.fill_next_token_bitmask(mask, row)
-        xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[-1])
-        return scores
+    def fill_row(self, mask: torch.Tensor, row: int, ids: list[int]) -> None:
+        if self.end in ids:
+            super().fill_row(mask, row, ids[ids.index(self.end) + 1 :])
+        elif len(ids) >= self.budget:
+            allow_only_token(mask, row, self.end)
+        # else: thinking, every token allowed (the mask's default)
 
 
 def hf_reasoning(path: str, llm: LLM, prompt: list[int], width: int, budget: int, max_new: int):
-    from transformers import LogitsProcessorList
-
     compiled = llm.engine.structured.compile(SPEC)
-    kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0, eos_token_id=EOS,
-                  logits_processor=LogitsProcessorList([ReasoningGrammarProcessor(compiled, len(prompt), budget, 385)]),
-                  return_dict_in_generate=True, output_scores=True)
-    if width:
-        kwargs.update(num_beams=width, num_return_sequences=width, length_penalty=1.0, early_stopping=False)
-    with torch.no_grad():
-        g = hf_model(path).generate(torch.tensor([prompt]), **kwargs)
-    seqs = []
-    for row in g.sequences[:, len(prompt) :].tolist():
-        while len(row) > 1 and row[-1] == EOS and row[-2] == EOS:
-            row.pop()
-        seqs.append(row)
-    return seqs, (g.sequences_scores.tolist() if width > 1 else [None] * len(seqs))
+    return hf_generate(path, prompt, width, max_new, ReasoningGrammarProcessor(compiled, len(prompt), budget, 385))
 
 
 CONVERSATIONS = [[{"role": "user", "content": "is the cat on the mat?"}], [{"role": "user", "content": "a b"}]]

@@ -51,18 +51,26 @@ class GrammarProcessor:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         mask = xgr.allocate_token_bitmask(input_ids.shape[0], scores.shape[-1])
         for row, ids in enumerate(input_ids[:, self.prompt_len :].tolist()):
-            matcher = xgr.GrammarMatcher(self.compiled, override_stop_tokens=[EOS])
-            for t in ids:
-                if matcher.is_terminated():
-                    break
-                assert matcher.accept_token(t), (ids, t)
-            if matcher.is_terminated():
-                mask[row] = 0
-                mask[row, EOS // 32] = 1 << (EOS % 32)
-            else:
-                matcher.fill_next_token_bitmask(mask, row)
+            self.fill_row(mask, row, ids)
         xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=scores.shape[-1])
         return scores
+
+    def fill_row(self, mask: torch.Tensor, row: int, ids: list[int]) -> None:
+        """Row ``row`` of ``mask``: what the grammar allows after ``ids`` (EOS only once it ended)."""
+        matcher = xgr.GrammarMatcher(self.compiled, override_stop_tokens=[EOS])
+        for t in ids:
+            if matcher.is_terminated():
+                break
+            assert matcher.accept_token(t), (ids, t)
+        if matcher.is_terminated():
+            allow_only_token(mask, row, EOS)
+        else:
+            matcher.fill_next_token_bitmask(mask, row)
+
+
+def allow_only_token(mask: torch.Tensor, row: int, token: int) -> None:
+    mask[row] = 0
+    mask[row, token // 32] = 1 << (token % 32)
 
 
 _ORACLE: dict = {}
@@ -73,24 +81,28 @@ def oracle(path: str, llm: LLM, kind: str, prompt: list[int], width: int):
     search of that width."""
     key = (path, kind, tuple(prompt), width)
     if key not in _ORACLE:
-        from transformers import LogitsProcessorList
-
         compiled = llm.engine.structured.compile(SPECS[kind])
-        kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, eos_token_id=EOS,
-                      logits_processor=LogitsProcessorList([GrammarProcessor(compiled, len(prompt))]),
-                      return_dict_in_generate=True, output_scores=True)
-        if width:
-            kwargs.update(num_beams=width, num_return_sequences=width, length_penalty=1.0, early_stopping=False)
-        with torch.no_grad():
-            g = hf_model(path).generate(torch.tensor([prompt]), **kwargs)
-        seqs = []
-        for row in g.sequences[:, len(prompt) :].tolist():
-            while len(row) > 1 and row[-1] == EOS and row[-2] == EOS:
-                row.pop()  # padding of a finished hypothesis
-            seqs.append(row)
-        scores = g.sequences_scores.tolist() if width > 1 else [None] * len(seqs)
-        _ORACLE[key] = (seqs, scores)
+        _ORACLE[key] = hf_generate(path, prompt, width, MAX_NEW, GrammarProcessor(compiled, len(prompt)))
     return _ORACLE[key]
+
+
+def hf_generate(path: str, prompt: list[int], width: int, max_new: int, processor) -> tuple[list, list]:
+    """transformers ``generate`` under ``processor``: greedy for width 0, else beam search of that
+    width; (each completion's tokens, each beam's score or None)."""
+    from transformers import LogitsProcessorList
+
+    kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0, eos_token_id=EOS,
+                  logits_processor=LogitsProcessorList([processor]), return_dict_in_generate=True, output_scores=True)
+    if width:
+        kwargs.update(num_beams=width, num_return_sequences=width, length_penalty=1.0, early_stopping=False)
+    with torch.no_grad():
+        g = hf_model(path).generate(torch.tensor([prompt]), **kwargs)
+    seqs = []
+    for row in g.sequences[:, len(prompt) :].tolist():
+        while len(row) > 1 and row[-1] == EOS and row[-2] == EOS:
+            row.pop()  # padding of a finished hypothesis
+        seqs.append(row)
+    return seqs, (g.sequences_scores.tolist() if width > 1 else [None] * len(seqs))
 
 
 ENGINES = {

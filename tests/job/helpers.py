@@ -245,3 +245,15 @@ def read_output(out: Path) -> list[dict]:
     for shard in sorted(out.glob("part-*.parquet")):
         rows.extend(pq.read_table(shard).to_pylist())
     return rows
+
+
+def killed_after_first_shard_then_rerun(config: Path, out: Path) -> tuple[int, subprocess.CompletedProcess, int | None]:
+    """Start the job, SIGKILL it once a shard is on disk (or let it end first), rerun it to the end:
+    (rows on disk after the kill, the rerun's result, the killed run's exit status)."""
+    proc = start_job(config)
+    while proc.poll() is None and not list(out.glob("part-*")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(read_output(out))
+    return partial, run_job(config), proc.returncode

@@ -6,8 +6,6 @@ adapter makes the resume refuse."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +13,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.api.test_lora import oracle_greedy
-from tests.job.helpers import read_output, run_job, start_job, write_config
+from tests.job.helpers import (
+    killed_after_first_shard_then_rerun,
+    read_output,
+    run_job,
+    write_config,
+)
 
 pytest.importorskip("peft")
 
@@ -43,18 +46,12 @@ def _config(tmp_path, llama_dir, adapters, n):
 def test_a_job_with_adapters_per_row_equals_peft_and_resumes_after_sigkill(tmp_path, llama_dir, adapters):
     n = 36
     config, rows = _config(tmp_path, llama_dir, adapters, n)
-    proc = start_job(config)
     out = tmp_path / "out"
-    while proc.poll() is None and not list(out.glob("part-*")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    partial = len(read_output(out))
-    res = run_job(config)
+    partial, res, killed = killed_after_first_shard_then_rerun(config, out)
     assert res.returncode == 0, res.stderr
     got = {r["id"]: r for r in read_output(out)}
     assert sorted(got) == list(range(n)) and len(read_output(out)) == n, "a row missing or written twice"
-    assert 0 < partial < n or proc.returncode == 0
+    assert 0 < partial < n or killed == 0
     tok = AutoTokenizer.from_pretrained(llama_dir)
     for row in rows:
         result = got[row["id"]]

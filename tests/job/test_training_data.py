@@ -8,8 +8,6 @@ template's arguments per job and per row, in Parquet and in the OpenAI batch for
 from __future__ import annotations
 
 import json
-import signal
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.api.test_reasoning import R1_TEMPLATE, make_reasoning_model
-from tests.job.helpers import read_output, run_job, start_job, write_config
+from tests.job.helpers import killed_after_first_shard_then_rerun, read_output, run_job, write_config
 from tests.oracle import hf_model
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -102,18 +100,12 @@ def test_score_job_equals_transformers_and_resumes_after_sigkill(tmp_path, llama
     config = write_config(tmp_path, llama_dir, inp, {"logprobs": 1}, task="score",
                           engine={"dtype": "float32", "max_num_seqs": 2, "max_model_len": 256},
                           output={"rows_per_shard": 3})
-    proc = start_job(config)
     out = tmp_path / "out"
-    while proc.poll() is None and not list(out.glob("part-*")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    partial = len(read_output(out))
-    res = run_job(config)
+    partial, res, killed = killed_after_first_shard_then_rerun(config, out)
     assert res.returncode == 0, res.stderr
     got = {r["id"]: r for r in read_output(out)}
     assert len(read_output(out)) == len(rows) == len(got), "a row missing or written twice"
-    assert 0 < partial < len(rows) or proc.returncode == 0
+    assert 0 < partial < len(rows) or killed == 0
     tok = AutoTokenizer.from_pretrained(llama_dir)
     for row in rows:
         result = got[row["id"]]
