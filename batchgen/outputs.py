@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
 import numpy as np
 
@@ -35,7 +35,41 @@ class Logprob(float):
         return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
-class TokenLogprobs(Sequence):
+class _LazyList(Sequence):
+    """A read-only sequence whose items are built on access (``_item``), that compares with, and
+    concatenates to, plain lists of the same items."""
+
+    __slots__ = ()
+
+    def _item(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._item(i % n)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._item(i) for i in range(len(self)))
+
+    def __add__(self, other: Sequence) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence) -> list:
+        return list(other) + list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class TokenLogprobs(_LazyList):
     """Per-token log-probabilities held as arrays, one row per token: ``token_ids`` (int32), their
     ``logprobs`` (float32) and ``ranks`` (int32; 1 = the most likely token), and each token's
     ``top_ids`` / ``top_logprobs`` (int32 / float32, [tokens, k], best first). As a sequence it is
@@ -65,13 +99,7 @@ class TokenLogprobs(Sequence):
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    @overload
-    def __getitem__(self, i: int) -> dict[int, Logprob]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[dict[int, Logprob]]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def _item(self, i: int) -> dict[int, Logprob]:
         decode = self._decode
         entry = {
             tid: Logprob(lp, r, decode(tid) if decode else None)
@@ -85,45 +113,27 @@ class TokenLogprobs(Sequence):
         """A token's text (its id as text when no tokenizer was given)."""
         return self._decode(token) if self._decode else str(token)
 
-    def __iter__(self) -> Iterator[dict[int, Logprob]]:
-        return (self[i] for i in range(len(self)))
-
-    def __add__(self, other: Sequence) -> list:
-        return list(self) + list(other)
-
-    def __radd__(self, other: Sequence) -> list:
-        return list(other) + list(self)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"TokenLogprobs({len(self)} tokens, top {self.top_ids.shape[1]})"
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs))
 
-    @classmethod
-    def from_entries(cls, entries: Sequence[Any], token_ids: Sequence[int], k: int) -> TokenLogprobs:
-        """From vLLM-style dicts (``{token: Logprob}``, the token's own entry and its top ``k``)."""
-        n = len(token_ids)
-        top_ids = np.zeros((n, k), dtype=np.int32)
-        top_lps = np.zeros((n, k), dtype=np.float32)
-        lps = np.zeros(n, dtype=np.float32)
-        ranks = np.zeros(n, dtype=np.int32)
-        for i, (entry, tid) in enumerate(zip(entries, token_ids, strict=True)):
-            value = entry[tid]
-            lps[i], ranks[i] = float(value), getattr(value, "rank", None) or 0
-            ordered = sorted((getattr(v, "rank", None) or 0, t, float(v)) for t, v in entry.items())
-            tops = [(t, v) for r, t, v in ordered if 1 <= r <= k]
-            for j, (t, v) in enumerate(tops[:k]):
-                top_ids[i, j], top_lps[i, j] = t, v
-        return cls(np.asarray(token_ids), lps, ranks, top_ids, top_lps)
+class PromptLogprobs(_LazyList):
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then one ``{token_id: Logprob}``
+    dict per prompt token; ``values`` holds positions 1.. as ``TokenLogprobs``."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: TokenLogprobs) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values) + 1
+
+    def _item(self, i: int) -> dict[int, Logprob] | None:
+        return None if i == 0 else self.values[i - 1]
+
+    def __repr__(self) -> str:
+        return f"PromptLogprobs({len(self)} tokens)"
 
 
 class LogprobsBuilder:
@@ -203,7 +213,7 @@ class RequestOutput:
     error: str | None = None
     # when asked (``SamplingParams.prompt_logprobs``): per prompt token, None for the first, else
     # {token_id: Logprob} with the prompt token and the top ones under the raw model
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     lora_request: Any = None  # the LoRARequest it ran on (None: the base model)
 
 

@@ -201,16 +201,16 @@ def _ends_with(seq: list[int], pattern: list[int]) -> bool:
 
 
 def _first_index(seq: Sequence[int], pattern: list[int]) -> int | None:
-    n = len(pattern)
+    n, head = len(pattern), pattern[0]
     for i in range(len(seq) - n + 1):
-        if list(seq[i : i + n]) == pattern:
+        if seq[i] == head and list(seq[i : i + n]) == pattern:
             return i
     return None
 
 
 def _last_index(seq: Sequence[int], pattern: list[int]) -> int | None:
-    n = len(pattern)
+    n, head = len(pattern), pattern[0]
     for i in range(len(seq) - n, -1, -1):
-        if list(seq[i : i + n]) == pattern:
+        if seq[i] == head and list(seq[i : i + n]) == pattern:
             return i
     return None

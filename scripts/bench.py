@@ -103,42 +103,21 @@ def make_workloads(vocab: int, names: list[str], vocab_deep: int = 49152, vocab_
             name, prompts, "sample", [64] * 16, n=8, temperature=0.8, top_p=0.95, notes=notes, moe=moe
         )
 
+    def n4(name: str, seed: int, shortest: int, model_vocab: int, notes: str, **model: bool) -> Workload:
+        """32 prompts of ``shortest``..256 tokens, n=4 sampling of exactly 64 new tokens."""
+        generator = np.random.default_rng(seed)
+        lens = generator.integers(shortest, 257, size=32)
+        prompts = [generator.integers(VOCAB_LOW, model_vocab, size=int(n)).tolist() for n in lens]
+        return Workload(name, prompts, "sample", [64] * 32, n=4, temperature=0.8, top_p=0.95, notes=notes, **model)
+
     if "S" in names:
         out.append(n_best("S", rng, "n-best sampling n=8"))
     if "A" in names:  # S's very prompts, round-robin over four LoRA adapters
         out.append(n_best("A", np.random.default_rng(0), "S's requests over 4 rank-16 LoRA adapters"))
-    if "Z" in names:  # 32 prompts of 64-256 tokens, n=4, on bench-z (Qwen2.5-0.5B's shape)
-        generator = np.random.default_rng(6)
-        lens = generator.integers(64, 257, size=32)
-        out.append(
-            Workload(
-                "Z",
-                [generator.integers(VOCAB_LOW, vocab_z, size=int(n)).tolist() for n in lens],
-                "sample",
-                [64] * 32,
-                n=4,
-                temperature=0.8,
-                top_p=0.95,
-                notes="Qwen2.5-0.5B's shape (bench-z), n=4 sampling",
-                z=True,
-            )
-        )
-    for name in [x for x in ("R", "Q") if x in names]:  # 32 prompts of 32-256 tokens, n=4, deep narrow model
-        generator = np.random.default_rng(3)
-        lens = generator.integers(32, 257, size=32)
-        out.append(
-            Workload(
-                name,
-                [generator.integers(VOCAB_LOW, vocab_deep, size=int(n)).tolist() for n in lens],
-                "sample",
-                [64] * 32,
-                n=4,
-                temperature=0.8,
-                top_p=0.95,
-                notes="deep narrow model (30 layers, hidden 576), n=4 sampling",
-                deep=True,
-            )
-        )
+    if "Z" in names:  # on bench-z (Qwen2.5-0.5B's shape)
+        out.append(n4("Z", 6, 64, vocab_z, "Qwen2.5-0.5B's shape (bench-z), n=4 sampling", z=True))
+    for name in [x for x in ("R", "Q") if x in names]:  # deep narrow model
+        out.append(n4(name, 3, 32, vocab_deep, "deep narrow model (30 layers, hidden 576), n=4 sampling", deep=True))
     if "J" in names or "J-FREE" in names:  # S's very prompts, each completion a JSON object of 5 fields
         for name in ("J", "J-FREE"):
             if name in names:

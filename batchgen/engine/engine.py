@@ -20,7 +20,7 @@ from batchgen.config import EngineConfig
 from batchgen.cpus import omp_wait_policy
 from batchgen.engine.beam import BeamState, beam_step
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, logprob_entries, sample, top_logprobs
+from batchgen.engine.sampler import GrammarMask, SampleRow, derive_seed, sample, target_logprobs
 from batchgen.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from batchgen.engine.sequence import SeqStatus, Sequence, SequenceGroup, long_rope_key
 from batchgen.engine.stats import EngineStats
@@ -36,7 +36,7 @@ from batchgen.model.hub import local_dir, snapshot_revision
 from batchgen.model.loader import load_config, load_tokenizer
 from batchgen.model.quant import path_counts
 from batchgen.model.runner import ModelRunner, RunnerTimes
-from batchgen.outputs import CompletionOutput, Logprob, LogprobsBuilder, RequestOutput
+from batchgen.outputs import CompletionOutput, LogprobsBuilder, PromptLogprobs, RequestOutput, TokenLogprobs
 from batchgen.params import BeamSearchParams, LoRARequest, RequestParams, SamplingParams, ScoreParams
 from batchgen.reasoning import make_parser
 from batchgen.utils import cdiv
@@ -321,12 +321,8 @@ class LLMEngine:
                     else:
                         self._note_prompt_logprobs(chunk, rows)
                 self._advance([s.seq for s in out.scheduled if s.samples], result.logits)
-            prompt = sum(
-                max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
-                for s in out.scheduled
-            )
+            prompt = self._count_prompt_tokens(out.scheduled)
             self._stats.note_step([s.num_new_tokens for s in out.scheduled], time.perf_counter() - t0, prompt)
-            self._note_score_tokens(out.scheduled)
         if self.cfg.debug_checks:
             self._check_invariants()
         with self._stats.timed("output_s"):
@@ -370,7 +366,7 @@ class LLMEngine:
             p: ScoreParams = seq.group.params  # type: ignore[assignment]
             children = [seq] + [self._fork(seq, index=j) for j in range(1, len(p.continuations))]
             firsts = torch.tensor([c[0] for c in p.continuations], device=row.device)
-            scores = self._score_entries(row.float()[None].expand(len(children), -1), firsts, p.logprobs)
+            scores = target_logprobs(row.float()[None].expand(len(children), -1), firsts, p.logprobs)
             for child, cont, entry in zip(children, p.continuations, scores, strict=True):
                 child.score = [None] * len(cont)
                 child.score[0] = entry
@@ -378,13 +374,6 @@ class LLMEngine:
                     self.scheduler.free_seq(child)
                 else:
                     child.token_ids.extend(cont[:-1])
-
-    @staticmethod
-    def _score_entries(logits: torch.Tensor, targets: torch.Tensor, k: int | None) -> list[tuple[float, Any]]:
-        """(log-probability, TopLogprobs or None) of ``targets[j]`` under row j of ``logits``."""
-        lps = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
-        tops = top_logprobs(logits, targets, [k] * len(lps)) if k is not None else [None] * len(lps)
-        return list(zip(lps, tops, strict=True))
 
     def _note_scores(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
         """A scored continuation's chunk: the row of position t scores the token at t + 1, from the
@@ -400,21 +389,25 @@ class LLMEngine:
         c0 = first + 1 - seq.num_prompt_tokens  # the continuation token the first row scores
         targets = torch.tensor(cont[c0 : c0 + n], device=logits.device)
         assert seq.score is not None
-        for j, entry in enumerate(self._score_entries(logits[offset : offset + n].float(), targets, p.logprobs)):
-            seq.score[c0 + j] = entry
+        seq.score[c0 : c0 + n] = target_logprobs(logits[offset : offset + n].float(), targets, p.logprobs)
 
-    def _note_score_tokens(self, scheduled: list[ScheduledSeq]) -> None:
-        """Count the prompt and continuation tokens scoring requests computed (``stats()``)."""
+    def _count_prompt_tokens(self, scheduled: list[ScheduledSeq]) -> int:
+        """The prompt tokens the step computed; those of scoring requests, and their continuation
+        tokens, are counted apart too (``stats()``)."""
+        total = 0
         values = self._stats.values
         for s in scheduled:
+            prompt = max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
+            total += prompt
             if s.seq.group.is_score:
-                prompt = max(0, min(s.start + s.num_new_tokens, s.seq.num_prompt_tokens) - s.start)
                 values["score_prompt_tokens_computed"] += prompt
                 values["score_continuation_tokens_computed"] += s.num_new_tokens - prompt
+        return total
 
     def _note_prompt_logprobs(self, chunk: ScheduledSeq, logits: torch.Tensor) -> None:
         """Prompt log-probabilities from one prefill chunk's logits: the row of position t scores
-        prompt token t + 1 (vLLM's ``prompt_logprobs``: the token's ``Logprob`` and the top k)."""
+        prompt token t + 1 (its log-probability, rank and the top k; vLLM's ``prompt_logprobs``
+        at output, ``_prompt_logprobs``)."""
         seq, group = chunk.seq, chunk.seq.group
         assert group.prompt_logprobs is not None
         n = min(logits.shape[0], seq.num_prompt_tokens - 1 - chunk.start)
@@ -422,15 +415,7 @@ class LLMEngine:
             return
         targets = torch.tensor(seq.token_ids[chunk.start + 1 : chunk.start + 1 + n], device=logits.device)
         k = getattr(group.params, "prompt_logprobs", None) or 0
-        for j, entry in enumerate(logprob_entries(logits[:n].float(), targets, [k] * n)):
-            group.prompt_logprobs[chunk.start + 1 + j] = self._with_decoded(entry)
-
-    def _with_decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
-        """Fill each ``Logprob``'s ``decoded_token`` (the token's text)."""
-        for tid, value in entry.items():
-            if isinstance(value, Logprob):
-                value.decoded_token = self._decode([tid], False)
-        return entry
+        group.prompt_logprobs[chunk.start + 1 : chunk.start + 1 + n] = target_logprobs(logits[:n].float(), targets, k)
 
     def _live_seqs(self) -> list[Sequence]:
         return [s for g in self.scheduler.running for s in g.seqs if s.status is not SeqStatus.FINISHED]
@@ -495,8 +480,9 @@ class LLMEngine:
         still start its reasoning may also take the start tag; a spent thinking budget forces
         the end of the reasoning."""
         rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None and not _thinking(seq)]
-        forced = {i: seq.reasoning.forcing[0] for i, seq in enumerate(seqs) if seq.reasoning is not None
-                  and seq.reasoning.forcing}
+        forced = {} if self.reasoning is None else {
+            i: seq.reasoning.forcing[0] for i, seq in enumerate(seqs) if seq.reasoning is not None and seq.reasoning.forcing
+        }
         if not rows and not forced:
             return None
         if rows:
@@ -717,7 +703,7 @@ class LLMEngine:
             prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=group.num_cached_tokens or 0,
             outputs=completions,
-            prompt_logprobs=group.prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs(group),
             lora_request=group.lora_request,
         )
 
@@ -727,12 +713,7 @@ class LLMEngine:
         p: ScoreParams = seq.group.params  # type: ignore[assignment]
         cont = p.continuations[seq.index]
         assert seq.score is not None and all(e is not None for e in seq.score), "a continuation token was not scored"
-        logprobs = None
-        if p.logprobs is not None:
-            builder = LogprobsBuilder(p.logprobs)
-            for tok, (lp, top) in zip(cont, seq.score, strict=True):
-                builder.append(tok, lp, top.rank, top.ids, top.logprobs)
-            logprobs = builder.build(self._decode_token)
+        logprobs = None if p.logprobs is None else self._token_logprobs(p.logprobs, cont, seq.score)
         return CompletionOutput(
             index=seq.index,
             text=self._decode(cont, False),
@@ -741,6 +722,19 @@ class LLMEngine:
             logprobs=logprobs,
             finish_reason="length",
         )
+
+    def _token_logprobs(self, k: int, tokens: list[int], values: list[Any]) -> TokenLogprobs:
+        """``TokenLogprobs`` of ``tokens`` from their (log-probability, TopLogprobs) pairs."""
+        builder = LogprobsBuilder(k)
+        for tok, (lp, top) in zip(tokens, values, strict=True):
+            builder.append(tok, lp, top.rank, top.ids, top.logprobs)
+        return builder.build(self._decode_token)
+
+    def _prompt_logprobs(self, group: SequenceGroup) -> PromptLogprobs | None:
+        if group.prompt_logprobs is None:
+            return None
+        k = getattr(group.params, "prompt_logprobs", None) or 0
+        return PromptLogprobs(self._token_logprobs(k, group.prompt_token_ids[1:], group.prompt_logprobs[1:]))
 
     # -- statistics ----------------------------------------------------------------------------
     @property

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from batchgen.outputs import Logprob
 from batchgen.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -267,7 +266,7 @@ def sample(
     if kernels is not None and all(greedy_rows):  # the argmax and log-sum-exp only
         tokens, lse = kernels.greedy_pick(x, logits, mask)
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
-        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
+        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, rows))
     if one_call is not None:
         return _sample_in_one_pass(x, logits, rows, one_call, mask)
     tokens = x.argmax(dim=-1) if any(greedy_rows) else torch.zeros(len(rows), dtype=torch.long, device=x.device)
@@ -279,7 +278,7 @@ def sample(
             tokens = torch.where(torch.tensor(greedy_rows), tokens, drawn)
         # log p(token) = logit - logsumexp(logits): exact, nothing underflows
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
-        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
+        return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, rows))
     # Fused softmax kernels rather than exp / sum passes of our own.
     probs = raw_probs = None
     if not all(greedy_rows):
@@ -325,7 +324,7 @@ def _sample_in_one_pass(
         no_k = torch.zeros(len(sub_rows), dtype=torch.long)
         tokens[left] = _sample_sorted(probs, sub_rows, list(range(len(sub_rows))), no_k, top_p[left])
         chosen[left] = logits[left].gather(1, tokens[left][:, None]).squeeze(1) - lse
-    return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, chosen, rows))
+    return SampleResult(tokens.tolist(), chosen.tolist(), _top_logprobs(logits, tokens, rows))
 
 
 def _blocked(rows: list[SampleRow], logits: torch.Tensor) -> list[tuple[int, int]]:
@@ -425,7 +424,7 @@ def _logprobs(
     if tiny:
         exact = torch.log_softmax(logits[tiny], dim=-1).gather(1, tokens[tiny][:, None]).squeeze(1)
         chosen[tiny] = exact
-    return chosen, _top_logprobs(logits, tokens, chosen, rows)
+    return chosen, _top_logprobs(logits, tokens, rows)
 
 
 class TopLogprobs(NamedTuple):
@@ -436,18 +435,8 @@ class TopLogprobs(NamedTuple):
     ids: np.ndarray  # int32 [k]
     logprobs: np.ndarray  # float32 [k]
 
-    def entry(self, token: int, logprob: float) -> dict[int, Logprob]:
-        """vLLM's ``{token_id: Logprob}``: the top k and the chosen token."""
-        out = {
-            t: Logprob(v, r) for r, (t, v) in enumerate(zip(self.ids.tolist(), self.logprobs.tolist(), strict=True), start=1)
-        }
-        out[token] = Logprob(logprob, self.rank)
-        return out
 
-
-def _top_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow]
-) -> list[TopLogprobs | None]:
+def _top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TopLogprobs | None]:
     top: list[TopLogprobs | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
@@ -457,11 +446,15 @@ def _top_logprobs(
     return top
 
 
-def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: list[int]) -> list[TopLogprobs]:
+def top_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: list[int], logp: torch.Tensor | None = None
+) -> list[TopLogprobs]:
     """Per row of ``logits`` [n, vocab] (raw, float32): the rank of ``targets[j]`` (1 + the tokens
     more likely than it) and the row's top ``top_k[j]`` tokens with their log-probabilities, as
-    vLLM reports ``logprobs`` and ``prompt_logprobs``."""
-    logp = torch.log_softmax(logits, dim=-1)
+    vLLM reports ``logprobs`` and ``prompt_logprobs``. ``logp``: the rows' log-softmax, when the
+    caller has it."""
+    if logp is None:
+        logp = torch.log_softmax(logits, dim=-1)
     top_k = [min(kk, logits.shape[1]) for kk in top_k]
     k = max(top_k, default=0)
     vals, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
@@ -473,13 +466,14 @@ def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_k: list[int]) 
     return [TopLogprobs(ranks[j], ids_np[j, :kk].copy(), vals_np[j, :kk].copy()) for j, kk in enumerate(top_k)]
 
 
-def logprob_entries(
-    logits: torch.Tensor, targets: torch.Tensor, top_k: list[int], target_logprobs: list[float] | None = None
-) -> list[dict[int, Logprob]]:
-    """Per row of ``logits`` [n, vocab] (raw, float32): ``{token: Logprob}`` for the row's top
-    ``top_k[j]`` tokens (ranks 1..k) and its ``targets[j]`` (``top_logprobs``), as vLLM reports
-    ``prompt_logprobs``. ``target_logprobs`` overrides the targets' values."""
-    if target_logprobs is None:
-        target_logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
-    tops = top_logprobs(logits, targets, top_k)
-    return [t.entry(tok, lp) for t, tok, lp in zip(tops, targets.tolist(), target_logprobs, strict=True)]
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int | None
+) -> list[tuple[float, TopLogprobs | None]]:
+    """Per row j of ``logits`` [n, vocab] (raw, float32): the log-probability of ``targets[j]``
+    and, with ``top_k``, its rank and the row's top ``top_k`` (``top_logprobs``), from one
+    log-softmax: the values of ``prompt_logprobs`` and of scored continuations."""
+    logp = torch.log_softmax(logits, dim=-1)
+    values = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+    if top_k is None:
+        return [(v, None) for v in values]
+    return list(zip(values, top_logprobs(logits, targets, [top_k] * len(values), logp), strict=True))

@@ -19,7 +19,7 @@ import yaml
 from batchgen.config import EngineConfig
 from batchgen.job.sink import generation_fields, score_fields
 from batchgen.job.source import check_readable, column_names, schema_of
-from batchgen.model.hub import local_dir, snapshot_revision
+from batchgen.model.hub import is_hub_id, local_dir, snapshot_revision
 from batchgen.model.loader import tokenizer_problem
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 
@@ -220,10 +220,10 @@ class JobConfig:
         unknown = sorted(set(overrides) - {"logprobs"})
         if unknown:
             raise ValueError(f"a scoring row takes logprobs and chat_template_kwargs only, got {', '.join(unknown)}")
-        logprobs = overrides.get("logprobs", self.generation.get("logprobs"))
-        if logprobs is not None and self.generation.get("logprobs") is None:
-            raise ValueError("logprobs: the job writes no logprobs column; set generation.logprobs for it")
-        return ScoreParams(continuations=continuations, logprobs=logprobs)
+        problem = unwritten(overrides, self.generation)
+        if problem is not None:
+            raise ValueError(problem)
+        return ScoreParams(continuations=continuations, logprobs=overrides.get("logprobs", self.generation.get("logprobs")))
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides the results: a changed value here makes a resume refuse. A hub model is
@@ -410,9 +410,9 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         except ValueError as e:
             if Path(model).is_dir():
                 problems.append(f"model: {e}")
-            else:
-                reason = str(e) if "hub id" in str(e) else f"as a hub id, {e}"
-                problems.append(f"model: directory {model!r} does not exist{_relative_note(model)}; {reason}")
+            else:  # a path that is not there, and maybe an id that is not cached: both said
+                missing = f"model: directory {model!r} does not exist{_relative_note(model)}"
+                problems.append(f"{missing}; as a hub id, {e}" if is_hub_id(model) else missing)
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
         problems.append(
@@ -431,7 +431,7 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         task = "generate"
     gen = _mapping(data, "generation", problems, lambda v: _check_generation(v, task))
     if gen.get("thinking_token_budget") is not None and not (
-        gen.get("reasoning_parser") or (isinstance(data.get("engine"), dict) and data["engine"].get("reasoning_parser"))
+        gen.get("reasoning_parser") or engine_raw.get("reasoning_parser")
     ):
         problems.append("generation.thinking_token_budget: needs generation.reasoning_parser (the end tag to force)")
     if inp is not None:

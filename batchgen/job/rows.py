@@ -262,7 +262,7 @@ class RowCodec:
             error=None,
         )
         if gen.get("prompt_logprobs") is not None:
-            row["prompt_logprobs"] = prompt_logprob_columns(out, req.params)
+            row["prompt_logprobs"] = prompt_logprob_columns(out)
         return row
 
     def _score_row(self, row: dict[str, Any], out: RequestOutput | None, error: str | None, req: Request) -> dict[str, Any]:
@@ -348,14 +348,10 @@ def logprob_columns(logprobs: Any) -> dict[str, Any] | None:
     }
 
 
-def prompt_logprob_columns(out: RequestOutput, params: Any) -> dict[str, Any] | None:
+def prompt_logprob_columns(out: RequestOutput) -> dict[str, Any] | None:
     """The prompt's log-probabilities (tokens 1..P-1; the first has none) as the ``LOGPROBS_TYPE``
     struct."""
-    entries = out.prompt_logprobs
-    if entries is None:
-        return None
-    k = getattr(params, "prompt_logprobs", None) or 0
-    return logprob_columns(TokenLogprobs.from_entries(entries[1:], out.prompt_token_ids[1:], k))
+    return None if out.prompt_logprobs is None else logprob_columns(out.prompt_logprobs.values)
 
 
 def openai_logprobs(logprobs: TokenLogprobs, chat: bool) -> dict[str, Any]:
@@ -366,7 +362,8 @@ def openai_logprobs(logprobs: TokenLogprobs, chat: bool) -> dict[str, Any]:
                logprobs.top_logprobs.tolist(), strict=True)
     if chat:
         def item(token: int, lp: float) -> dict[str, Any]:
-            return {"token": text(token), "logprob": lp, "bytes": list(text(token).encode("utf-8"))}
+            piece = text(token)
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
 
         return {"content": [
             {**item(t, lp), "top_logprobs": [item(a, b) for a, b in zip(ta, tb, strict=True)]} for t, lp, ta, tb in rows
@@ -383,18 +380,24 @@ _ARRAY_OVERHEAD = 112  # bytes of a numpy array object besides its data
 
 
 def row_bytes(row: Any) -> int:
-    """About how many bytes an output row's per-token log-probabilities hold (0 without them)."""
+    """About how many bytes an output row's per-token log-probabilities hold (0 without them),
+    from their lengths: ``logprob_columns``' arrays, or the OpenAI format's lists and dicts (about
+    100 bytes a value)."""
     if not isinstance(row, dict):
         return 0
     total = 0
+    items = [c.get("logprobs") for c in row.get("completions") or row.get("scores") or []]
+    for lp in [*items, row.get("prompt_logprobs")]:
+        if lp:  # n tokens: three arrays of n, and two arrays of k per token
+            n = len(lp["token_ids"])
+            k = len(lp["top_token_ids"][0]) if n else 0
+            total += 12 * n + 2 * n * (4 * k + _ARRAY_OVERHEAD)
     body = ((row.get("response") or {}).get("body") or {}) if "response" in row else {}
-    for item in [*(row.get("completions") or row.get("scores") or []), row.get("prompt_logprobs")]:
-        lp = item.get("logprobs") if isinstance(item, dict) and "logprobs" in item else item
-        if isinstance(lp, dict) and "top_token_ids" in lp:
-            total += sum(lp[k].nbytes for k in ("token_ids", "logprobs", "ranks"))
-            total += sum(a.nbytes + _ARRAY_OVERHEAD for k in ("top_token_ids", "top_logprobs") for a in lp[k])
-    for choice in body.get("choices") or []:  # the OpenAI format: lists and dicts, about 100 bytes a value
+    for choice in body.get("choices") or []:
         lp = choice.get("logprobs") or {}
-        items = lp.get("content") or lp.get("top_logprobs") or []
-        total += sum(100 * (1 + len(x.get("top_logprobs") if "top_logprobs" in x else x)) for x in items)
+        values = lp.get("content") or lp.get("top_logprobs") or []
+        if values:
+            first = values[0]
+            k = len(first["top_logprobs"]) if "top_logprobs" in first else len(first)
+            total += 100 * len(values) * (1 + k)
     return total

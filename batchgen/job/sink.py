@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 # Per-token log-probabilities of a completion, a scored continuation or a prompt, position by
 # position: the token, its log-probability and rank (1 = the most likely), and its top k
-# alternatives best first. int32 and float32 lists, not text: 8 + 8k bytes per token before compression.
+# alternatives best first. int32 and float32 lists, not text: 12 + 8k bytes per token before compression.
 LOGPROBS_TYPE = pa.struct(
     [
         ("token_ids", pa.list_(pa.int32())),

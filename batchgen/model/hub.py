@@ -27,14 +27,11 @@ def local_dir(name: str, revision: str | None = None, what: str = "model", cache
             raise ModelLoadError(f"{what} {name!r} is a local directory; a revision ({revision!r}) applies to hub ids only")
         return name
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     at = f" at revision {revision!r}" if revision else ""
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        raise ModelLoadError(f"{what} directory {name!r} does not exist (and it is not a hub id, org/name)") from None
+    if not is_hub_id(name):
+        raise ModelLoadError(f"{what} directory {name!r} does not exist (and it is not a hub id, org/name)")
     cache = cache_dir or constants.HF_HUB_CACHE
     try:
         return snapshot_download(
@@ -50,6 +47,18 @@ def local_dir(name: str, revision: str | None = None, what: str = "model", cache
     except Exception as e:  # noqa: BLE001 - huggingface_hub's HTTP and repository errors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{what} {name!r}{at}: {type(e).__name__}: {first}") from None
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the form of a hub repository id (``org/name`` or ``name``)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def snapshot_revision(directory: str) -> str | None:
