@@ -49,6 +49,8 @@ def cmd_job(args: argparse.Namespace) -> int:
     from batchgen.job.runner import JobRunner
     from batchgen.job.sink import OutputWriteError
     from batchgen.job.source import InputChanged
+    from batchgen.job.store import OutputUnavailable
+    from batchgen.storage import StorageError
 
     try:
         cfg = load_job_config(args.config, args.set)
@@ -75,10 +77,10 @@ def cmd_job(args: argparse.Namespace) -> int:
     except JobInterrupted as e:
         print(f"batchgen: {e}", file=sys.stderr)
         return e.exit_code
-    except (ConfigError, JobRefused, OutputLocked) as e:
+    except (ConfigError, JobRefused, OutputLocked, OutputUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (OutputWriteError, InputChanged, JobIncomplete) as e:
+    except (OutputWriteError, InputChanged, JobIncomplete, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ValueError as e:  # model directory problems and the like
@@ -104,10 +106,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Exit codes: 0 every input row exactly once in the output, 1 not, 2 cannot tell (no config)."""
     from batchgen.job.config import ConfigError
     from batchgen.job.verify import combined_report, verify
+    from batchgen.storage import StorageError
 
     try:
         result = verify(args.out, args.config)
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, OSError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(result.render())

@@ -73,3 +73,14 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
             )
         ),
     }
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the session (tests/s3server.py)."""
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()

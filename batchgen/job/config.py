@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import yaml
 
+from batchgen import storage
 from batchgen.config import EngineConfig
 from batchgen.job.sink import generation_fields, score_fields
 from batchgen.job.source import check_readable, column_names, schema_of
@@ -156,6 +157,7 @@ class JobConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     task: str = "generate"
     source_file: str | None = None
+    storage: storage.StorageOptions = field(default_factory=storage.StorageOptions)
 
     def engine_config(self) -> EngineConfig:
         """The engine's settings: ``engine:``, with LoRA switched on when ``lora:`` names adapters
@@ -361,6 +363,11 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
 
 
 def input_files(path: str) -> list[str]:
+    """The input's files: a glob's matches, or the path (a directory is read whole). A URI lists
+    its objects: the one it names, every object under a prefix, or a glob's matches."""
+    if storage.is_uri(path):
+        return storage.expand(path)
+    path = storage.local_path(path)
     if any(c in path for c in "*?["):
         return sorted(glob.glob(path, recursive=True))
     p = Path(path)
@@ -385,7 +392,9 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
 
 def _not_a_directory(path: str) -> str | None:
     """The output path itself, or the nearest existing folder above it, when that is a file."""
-    p = Path(path)
+    if storage.is_uri(path):
+        return None
+    p = Path(storage.local_path(path))
     for candidate in (p, *p.parents):
         if candidate.exists():
             return None if candidate.is_dir() else repr(str(candidate))
@@ -395,7 +404,7 @@ def _not_a_directory(path: str) -> str | None:
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
     problems: list[str] = []
-    top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora", "task"}
+    top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora", "task", "storage"}
     for key in data:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
@@ -413,6 +422,12 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
             else:  # a path that is not there, and maybe an id that is not cached: both said
                 missing = f"model: directory {model!r} does not exist{_relative_note(model)}"
                 problems.append(f"{missing}; as a hub id, {e}" if is_hub_id(model) else missing)
+    store_opts = _section(storage.StorageOptions, data.get("storage"), "storage", problems) or storage.StorageOptions()
+    try:
+        store_opts.check()
+    except ValueError as e:
+        problems.append(str(e))
+    storage.use(store_opts)  # the input's and the output's object stores are checked with them below
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
         problems.append(
@@ -457,7 +472,10 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append("task: score reads and writes Parquet, Arrow, JSON Lines or datasets; the OpenAI batch format has no scoring")
     if out is not None:
         blocker = _not_a_directory(out.path)
-        if blocker is not None:
+        store_problem = _output_store_problem(out.path)
+        if store_problem is not None:
+            problems.append(f"output.path: {store_problem}")
+        elif blocker is not None:
             problems.append(f"output.path: {blocker} is not a directory{_relative_note(out.path)}")
         if out.format not in OUTPUT_FORMATS:
             problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
@@ -511,6 +529,7 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         lora=lora,
         task=task,
         source_file=source_file,
+        storage=store_opts,
     )
 
 
@@ -566,7 +585,7 @@ def _lora_section(raw: Any, problems: list[str]) -> LoRAConfig:
 
 def _relative_note(path: str) -> str:
     """Relative paths in a config are read from the working directory, not the config's folder."""
-    if Path(path).is_absolute():
+    if storage.is_uri(path) or Path(path).is_absolute():
         return ""
     return f" (relative paths are read from the working directory, {os.getcwd()})"
 
@@ -590,9 +609,13 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
         problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
     if inp.batch_rows < 1:
         problems.append("input.batch_rows: must be >= 1")
-    files = input_files(inp.path)
+    try:
+        files = input_files(inp.path)
+    except storage.StorageError as e:
+        problems.append(f"input.path: {e}")
+        return
     if not files:
-        problems.append(f"input.path: nothing found at {inp.path!r}{_relative_note(inp.path)}")
+        problems.append(f"input.path: nothing found at {storage.redact(inp.path)!r}{_relative_note(inp.path)}")
     fmt = detect_format(inp, files) if files and inp.format in INPUT_FORMATS else inp.format
     if fmt == "openai":
         return
@@ -604,8 +627,11 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
     try:
         names = column_names(files, fmt)
         check_readable(files, fmt)
+    except storage.StorageError as e:
+        problems.append(f"input.path: {e}")
+        return
     except Exception as e:  # noqa: BLE001
-        problems.append(f"input.path: cannot read {inp.path!r} as {fmt}: {e}")
+        problems.append(f"input.path: cannot read {storage.redact(inp.path)!r} as {fmt}: {storage.redact(str(e))}")
         return
     if names is None:
         return
@@ -627,6 +653,8 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
 def detect_format(inp: InputConfig, files: list[str]) -> str:
     if inp.format != "auto":
         return inp.format
+    if storage.is_uri(files[0]):
+        return _detect_remote(files)
     first = Path(files[0])
     if first.is_dir():
         if (
@@ -658,3 +686,46 @@ def detect_format(inp: InputConfig, files: list[str]) -> str:
             obj = {}
         return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
     return "parquet"
+
+
+def _detect_remote(files: list[str]) -> str:
+    """The format of an input in object storage, from its objects' names (and a JSONL's first line)."""
+    names = [f.rsplit("/", 1)[-1] for f in files]
+    if any(n in ("dataset_info.json", "state.json", "dataset_dict.json") for n in names):
+        return "hf"
+    suffixes = {os.path.splitext(n)[1].lower() for n in names}
+    if ".parquet" in suffixes:
+        return "parquet"
+    if suffixes & {".arrow", ".feather", ".ipc"}:
+        return "arrow"
+    if suffixes & {".jsonl", ".json", ".ndjson"}:
+        first = next(f for f in files if f.lower().endswith((".jsonl", ".json", ".ndjson")))
+        fs, inner = storage.filesystem(first)
+        with fs.open_input_stream(inner) as f:
+            line = f.read(1 << 20).split(b"\n", 1)[0].decode("utf-8", errors="replace")
+        try:
+            obj = json.loads(line) if line.strip() else {}
+        except ValueError:
+            obj = {}
+        return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
+    return "parquet"
+
+
+def _output_store_problem(path: str) -> str | None:
+    """Why an object-store output cannot be used (its scheme, the bucket, the credentials); None
+    for a local path or a usable bucket. Writing is checked when the job takes its lease."""
+    s = storage.scheme(path)
+    if s is None:
+        return None
+    if s not in storage.OUTPUT_SCHEMES:
+        return (
+            f"{storage.redact(path)!r}: a job writes to a local directory or s3:// (any S3-compatible "
+            f"store); {s}:// can be read (input.path) but not written"
+        )
+    from batchgen.job.store import S3Store
+
+    try:
+        S3Store(path).check_bucket()
+    except (storage.StorageError, ValueError) as e:
+        return str(e)
+    return None

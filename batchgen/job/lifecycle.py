@@ -17,7 +17,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.job.report import JobReport
-from batchgen.job.sink import atomic_write_bytes
 
 PROGRESS_ENV = "BATCHGEN_PROGRESS_LINES"  # set for a replica of a local job: progress as lines, no bar
 PROGRESS_PREFIX = "batchgen-progress "
@@ -135,7 +134,7 @@ def clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
-def interrupted(signum: int, rows_saved: int, out_dir: Path, dropped: int | None = None) -> JobInterrupted:
+def interrupted(signum: int, rows_saved: int, out_dir: Path | str, dropped: int | None = None) -> JobInterrupted:
     """The exception (and its one line) a job stopped by a signal ends with."""
     detail = "" if dropped is None else f" ({dropped} unfinished dropped)"
     return JobInterrupted(
@@ -145,5 +144,6 @@ def interrupted(signum: int, rows_saved: int, out_dir: Path, dropped: int | None
     )
 
 
-def save_report(path: Path, report: JobReport) -> None:
-    atomic_write_bytes(path, json.dumps(report.to_dict(), indent=2).encode())
+def save_report(store: Any, name: str, report: JobReport) -> None:
+    """Write the report as ``name`` in the output store (whole or not at all)."""
+    store.write(name, json.dumps(report.to_dict(), indent=2).encode())

@@ -35,11 +35,12 @@ from batchgen.job.lifecycle import (
     StopSignals,
     interrupted,
     progress_bar,
+    save_report,
 )
-from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
 from batchgen.job.runner import check_layout, job_rows, output_id_key
-from batchgen.job.sink import ShardSink, atomic_write_bytes
+from batchgen.job.sink import ShardSink
+from batchgen.job.store import BOOKKEEPING_DIR, open_store
 
 _PR_SET_PDEATHSIG = 1
 
@@ -110,8 +111,8 @@ class ReplicaJobRunner:
     def __init__(self, cfg: JobConfig, config: str, sets: list[str], plan: list[Replica], overwrite: bool = False):
         self.cfg, self.config, self.sets, self.plan, self.overwrite = cfg, config, sets, plan, overwrite
         self.count = len(plan)
-        self.out_dir = Path(cfg.output.path)
-        self.meta = self.out_dir / ".batchgen"
+        self.store = open_store(cfg.output.path)
+        self.out_dir = self.store.display
         self.tags = [f"-{i:05d}-of-{self.count:05d}" for i in range(self.count)]
         self.sinks: list[ShardSink] = []  # each replica's shards, read (never written) by this process
 
@@ -122,11 +123,11 @@ class ReplicaJobRunner:
         return cmd + (["--overwrite"] if self.overwrite else [])
 
     def run(self) -> JobReport:
-        with OutputLock(self.meta, None, shared=True), StopSignals() as signals:
-            check_layout(self.out_dir, self.count, self.overwrite)
+        with self.store.lock(None, shared=True), StopSignals() as signals:
+            check_layout(self.store, self.count, self.overwrite)
             fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
             key = output_id_key(self.cfg)
-            self.sinks = [ShardSink(self.out_dir, fmt, key, prefix=f"part{tag}", clean=False,
+            self.sinks = [ShardSink(self.store, fmt, key, prefix=f"part{tag}", clean=False,
                                    output_fields=self.cfg.output_fields()) for tag in self.tags]
             done = self._done_report()
             return done if done is not None else self._run(signals)
@@ -210,13 +211,13 @@ class ReplicaJobRunner:
         """With every row already in the replicas' shards, the saved report of the run that wrote
         them, marked as nothing to do (no replica starts, no model loads); else None."""
         total = job_rows(self.cfg)
-        if total is None or not self.meta.is_dir():
+        if total is None:
             return None
         done = sum(len(sink.done_ids()) for sink in self.sinks)
         if done < total:
             return None
         try:
-            report = JobReport.from_dict(json.loads((self.meta / "report.json").read_text()))
+            report = JobReport.from_dict(json.loads(self.store.read(f"{BOOKKEEPING_DIR}/report.json") or b""))
         except (OSError, ValueError, TypeError):
             report = JobReport(rows_total=total)
         totals = [sink.totals() for sink in self.sinks]
@@ -227,7 +228,7 @@ class ReplicaJobRunner:
     def _report(self, wall: float) -> JobReport:
         """The replicas' reports as one: counts summed, engine figures summed (text joined), this
         process's wall time; saved as ``.batchgen/report.json``."""
-        parts = [json.loads((self.meta / f"report{t}.json").read_text()) for t in self.tags]
+        parts = [json.loads(self.store.read(f"{BOOKKEEPING_DIR}/report{t}.json") or b"{}") for t in self.tags]
         report = JobReport(rows_total=job_rows(self.cfg))
         for part in parts:
             r = JobReport.from_dict(part)
@@ -246,7 +247,7 @@ class ReplicaJobRunner:
             {"cpus": list(r.cpus), "node": r.node, "generated_tokens": p.get("generated_tokens", 0)}
             for r, p in zip(self.plan, parts, strict=True)
         ]
-        atomic_write_bytes(self.meta / "report.json", json.dumps(report.to_dict(), indent=2).encode())
+        save_report(self.store, f"{BOOKKEEPING_DIR}/report.json", report)
         return report
 
 

@@ -27,12 +27,12 @@ import pickle
 import re
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from batchgen import storage
 from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig
 from batchgen.job.lifecycle import (
@@ -43,13 +43,14 @@ from batchgen.job.lifecycle import (
     save_report,
     show_progress,
 )
-from batchgen.job.lock import OutputLock
 from batchgen.job.replicas import EngineReplica, apply_replicas
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowIdentities, input_row_id
-from batchgen.job.runner import BOOKKEEPING_DIR, JobRunner
-from batchgen.job.sink import CommitGate, ShardDropped, ShardSink
+from batchgen.job.runner import JobRunner
+from batchgen.job.sink import ShardDropped, ShardSink
 from batchgen.job.source import iter_range, iter_rows, schema_of
+from batchgen.job.store import open_store
+from batchgen.storage import StorageOptions
 
 SHARD_PREFIX = "part-ray"
 READ_TASKS = 2  # read tasks at once: they run ahead of the replicas by Ray Data's backpressure
@@ -58,9 +59,13 @@ _UNIT_SCHEMA = pa.schema(
 )
 
 
-def read_units(batch: pa.Table, files: list[str], fmt: str, batch_rows: int, openai_in: bool) -> pa.Table:
+def read_units(
+    batch: pa.Table, files: list[str], fmt: str, batch_rows: int, openai_in: bool, options: StorageOptions
+) -> pa.Table:
     """A read task: the rows of each unit in ``batch``, pickled (the row dicts exactly as the local
-    reader makes them, whatever the input's types), tagged with the unit and its row count."""
+    reader makes them, whatever the input's types), tagged with the unit and its row count.
+    ``options``: the job's storage options, for input in object storage."""
+    storage.use(options)
     out: dict[str, list[Any]] = {"_unit": [], "_unit_rows": [], "_position": [], "_row": []}
     for unit in batch.to_pylist():
         duplicates = dict(zip(unit["duplicates"] or (), unit["duplicate_errors"] or (), strict=True))
@@ -97,8 +102,9 @@ class JobReplica(EngineReplica):
         self.key = "custom_id" if openai_in else cfg.input.id_column
         self.input_schema = input_schema
         out_fmt = "parquet" if cfg.output.format == "parquet" else "openai"
-        gate = CommitGate(Path(cfg.output.path) / BOOKKEEPING_DIR)
-        self.sink = ShardSink(cfg.output.path, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=gate,
+        storage.use(cfg.storage)
+        store = open_store(cfg.output.path)
+        self.sink = ShardSink(store, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=store.commit_gate(),
                               output_fields=cfg.output_fields())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -232,7 +238,7 @@ class RayJobRunner(JobRunner):
         self.shard_prefix = SHARD_PREFIX
 
     def run(self) -> JobReport:
-        with OutputLock(self.meta_dir, None), StopSignals() as signals:
+        with self.store.lock(None), StopSignals() as signals:
             return self._run_ray(signals)
 
     def _units(self, total: int, sink: ShardSink) -> list[int]:
@@ -290,7 +296,7 @@ class RayJobRunner(JobRunner):
         report = JobReport(rows_total=total, rows_previously_done=rows_before)
         bar = progress_bar(total, rows_before, "batchgen (ray)", self.cfg.run.progress)
         engines: dict[str, dict] = {}
-        gate = CommitGate(self.meta_dir)
+        gate = self.store.commit_gate()
         gate.open()
         started = False
         failure: Exception | None = None
@@ -310,6 +316,7 @@ class RayJobRunner(JobRunner):
                     fmt=self.fmt,
                     batch_rows=self.cfg.input.batch_rows,
                     openai_in=self.openai_in,
+                    options=self.cfg.storage,
                 ),
                 batch_size=None,
                 batch_format="pyarrow",
@@ -358,7 +365,7 @@ class RayJobRunner(JobRunner):
         report.fill_engine_stats(_combine(engines))
         report.rows_in_output, report.failed_in_output = sink.totals()
         report.duplicate_ids = sum(len(duplicates.get(u, {})) for u in units)
-        save_report(self.report_path, report)
+        save_report(self.store, self.report_name, report)
         return report
 
     def _account(self, report: JobReport, s: dict[str, Any], sink: ShardSink) -> None:
@@ -371,7 +378,7 @@ class RayJobRunner(JobRunner):
         for message, count in json.loads(s["errors"]).items():
             report.errors[message] = report.errors.get(message, 0) + count
         suffix = "parquet" if self.cfg.output.format == "parquet" else "jsonl"
-        sink.note(f"{s['shard']}.{suffix}", s["rows"])
+        sink.note(f"{s['shard']}.{suffix}", s["rows"], s["rows_failed"])
         self._write_manifest(sink)
 
     @staticmethod

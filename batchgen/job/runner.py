@@ -22,11 +22,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from batchgen import storage
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
 from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
@@ -39,16 +39,15 @@ from batchgen.job.lifecycle import (
     save_report,
     show_progress,
 )
-from batchgen.job.lock import OutputLock
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowCodec, RowIdentities, row_bytes
-from batchgen.job.sink import ShardSink, atomic_write_bytes
+from batchgen.job.sink import ShardSink
 from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
+from batchgen.job.store import BOOKKEEPING_DIR, LocalStore, S3Store, open_store
 from batchgen.outputs import RequestOutput
 
 _END = object()
 RATE_WINDOW_S = 30.0  # the progress bar's tokens/s is measured over this many recent seconds
-BOOKKEEPING_DIR = ".batchgen"  # manifest, report and locks, inside the output directory
 QUEUE_FLOOR = 64  # rows: the least room of the reader's and the writer's queues
 class _OutputQueue(queue.Queue):
     """Output rows for the writer, bounded by their count and by the bytes of their per-token
@@ -96,25 +95,25 @@ def _layout_of(name: str) -> int | None | bool:
     return int(m.group(2)) if m.group(1) else None
 
 
-def check_layout(out_dir: Path, workers: int | None, overwrite: bool) -> None:
+def check_layout(store: LocalStore | S3Store, workers: int | None, overwrite: bool) -> None:
     """Refuse an output holding shards of another worker count (None: an unsharded job), or with
     ``overwrite`` remove them: a shard names its worker, so workers of another count would compute
     the same rows again under other names."""
-    meta = out_dir / BOOKKEEPING_DIR
-    others = {_layout_of(p.name) for p in meta.glob("manifest*.json")} - {workers, False}
+    manifests = [n for n in store.files(BOOKKEEPING_DIR) if n.startswith("manifest") and n.endswith(".json")]
+    others = {_layout_of(n) for n in manifests} - {workers, False}
     if not others:
         return
     held = ", ".join(sorted("one engine" if n is None else f"{n} workers" for n in others))
     if not overwrite:
         mine = "one engine" if workers is None else f"{workers} workers (run.shard or run.replicas)"
         raise JobRefused(
-            f"output directory {str(out_dir)!r} holds a run of {held}; a run of {mine} would write its "
+            f"output directory {store.display!r} holds a run of {held}; a run of {mine} would write its "
             "rows again. Rerun with the same workers, --overwrite to discard it, or another output.path"
         )
-    for folder in (out_dir, meta):
-        for path in folder.iterdir():
-            if path.is_file() and _layout_of(path.name) in others:
-                path.unlink()
+    for folder in ("", BOOKKEEPING_DIR):
+        for name in store.files(folder):
+            if _layout_of(name) in others:
+                store.delete(f"{folder}/{name}".lstrip("/"))
 
 
 def job_rows(cfg: JobConfig) -> int | None:
@@ -146,16 +145,17 @@ class JobRunner:
         self.fmt = detect_format(cfg.input, self.files)
         self.openai_in = self.fmt == "openai"
         self.id_key = "custom_id" if self.openai_in else (cfg.input.id_column or "row_index")
-        self.out_dir = Path(cfg.output.path)
+        storage.use(cfg.storage)
+        self.store = open_store(cfg.output.path)
+        self.out_dir = self.store.display
         self.shard = parse_shard(cfg.run.shard)
         # a sharded job's workers share the directory: every file of theirs carries the index
         tag = "" if self.shard is None else f"-{self.shard[0]:05d}-of-{self.shard[1]:05d}"
         # Bookkeeping lives in a hidden directory, which dataset readers (pyarrow, pandas,
         # datasets.load_dataset with data_dir) skip: the output directory reads as one dataset.
-        self.meta_dir = self.out_dir / BOOKKEEPING_DIR
-        self.manifest_path = self.meta_dir / f"manifest{tag}.json"
-        self.report_path = self.meta_dir / f"report{tag}.json"
-        self.legacy_manifest = self.out_dir / f"_manifest{tag}.json"  # where versions before 0.2 kept it
+        self.manifest_name = f"{BOOKKEEPING_DIR}/manifest{tag}.json"
+        self.report_name = f"{BOOKKEEPING_DIR}/report{tag}.json"
+        self.legacy_manifest = f"_manifest{tag}.json"  # where versions before 0.2 kept it
         self.shard_prefix = f"part{tag}"
         self.codec = RowCodec(cfg, self.openai_in)
 
@@ -163,13 +163,13 @@ class JobRunner:
     def _prepare_output(self) -> ShardSink:
         """Refuse a directory holding another config's run (or clear it with ``--overwrite``),
         remove what an earlier crash left half-written, and open the shard sink."""
-        check_layout(self.out_dir, None if self.shard is None else self.shard[1], self.overwrite)
+        check_layout(self.store, None if self.shard is None else self.shard[1], self.overwrite)
         fingerprint = self.cfg.fingerprint()
-        previous = next((p for p in (self.manifest_path, self.legacy_manifest) if p.exists()), None)
+        previous = next((d for d in map(self.store.read, (self.manifest_name, self.legacy_manifest)) if d is not None), None)
         if previous is not None:
             try:
-                old = json.loads(previous.read_text()).get("fingerprint", {})
-            except ValueError:
+                old = json.loads(previous).get("fingerprint", {})
+            except (ValueError, AttributeError):
                 old = {}  # an unreadable manifest: the shards are the record, rewrite it
             if old and old != fingerprint:
                 changes = _changed(old, fingerprint)
@@ -180,11 +180,10 @@ class JobRunner:
                         + ". Use --overwrite to discard it, or another output.path."
                     )
                 self._discard_output()
-        for path in (self.manifest_path, self.report_path):
-            for tmp in path.parent.glob(f".{path.name}.*tmp"):
-                tmp.unlink()
+        for name in (self.manifest_name, self.report_name):
+            self.store.clean_temp(name.split("/")[-1] + ".", BOOKKEEPING_DIR)
         out_fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
-        sink = ShardSink(self.out_dir, out_fmt, self.id_key, prefix=self.shard_prefix,
+        sink = ShardSink(self.store, out_fmt, self.id_key, prefix=self.shard_prefix,
                          output_fields=self.cfg.output_fields())
         self.manifest = {"fingerprint": fingerprint, "config": self.cfg.source_file, "shards": sink.shard_rows()}
         return sink
@@ -192,14 +191,17 @@ class JobRunner:
     def _discard_output(self) -> None:
         """``--overwrite``: remove this job's (or this worker's) shards and bookkeeping; the lock
         files stay, and so do other workers' files of a sharded job."""
-        mine = (self.shard_prefix + "-", self.manifest_path.name, self.report_path.name, self.legacy_manifest.name)
-        for folder in (self.out_dir, self.meta_dir):
-            for path in folder.iterdir():
-                name = path.name.lstrip(".")
-                if path == self.meta_dir or name.startswith("lock"):
+        mine = (self.shard_prefix + "-", *(n.split("/")[-1] for n in (self.manifest_name, self.report_name, self.legacy_manifest)))
+        for folder in ("", BOOKKEEPING_DIR):
+            for name in self.store.files(folder):
+                if name.lstrip(".").startswith(("lock", "lease")):
                     continue
-                if self.shard is None or name.startswith(mine):
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if self.shard is None or name.lstrip(".").startswith(mine):
+                    self.store.delete(f"{folder}/{name}".lstrip("/"))
+        if isinstance(self.store, LocalStore):  # folders a user put there (a job writes none)
+            for path in self.store.root.iterdir():
+                if path.is_dir() and path.name != BOOKKEEPING_DIR and self.shard is None:
+                    shutil.rmtree(path)
 
     def _write_manifest(self, sink: ShardSink | None = None) -> None:
         """Record the config's fingerprint and every shard on disk with its row count. The shards
@@ -207,7 +209,7 @@ class JobRunner:
         this write loses nothing, the next run lists that shard here too."""
         if sink is not None:
             self.manifest["shards"] = sink.shard_rows()
-        atomic_write_bytes(self.manifest_path, json.dumps(self.manifest, indent=2, default=str).encode())
+        self.store.write(self.manifest_name, json.dumps(self.manifest, indent=2, default=str).encode())
 
     # -- request building (reader thread) ------------------------------------------------------
     def _reader(
@@ -308,7 +310,7 @@ class JobRunner:
         ``JobRefused`` for another config's output, ``JobInterrupted`` on SIGTERM / SIGINT (after
         saving the finished rows), ``OutputWriteError`` when the output cannot be written,
         ``InputChanged`` / ``JobIncomplete`` when the input changed under it."""
-        with OutputLock(self.meta_dir, self.shard), StopSignals() as signals:
+        with self.store.lock(self.shard), StopSignals() as signals:
             return self._run(signals)
 
     def _run(self, signals: StopSignals) -> JobReport:
@@ -373,7 +375,7 @@ class JobRunner:
         report.prompt_tokens_perfect_order = loop.perfect.tokens
         report.fill_engine_stats(engine.stats())
         report.rows_in_output, report.failed_in_output = sink.totals()
-        save_report(self.report_path, report)
+        save_report(self.store, self.report_name, report)
         if total is not None and counts["rows_read"] != total:
             raise JobIncomplete(
                 f"the input had {total} rows when the job started but {counts['rows_read']} were read; "
@@ -386,7 +388,7 @@ class JobRunner:
         the saved report (of the run that finished the rows) is kept and returned."""
         self._write_manifest(sink)
         try:
-            report = JobReport.from_dict(json.loads(self.report_path.read_text()))
+            report = JobReport.from_dict(json.loads(self.store.read(self.report_name) or b""))
         except (OSError, ValueError, TypeError):
             report = JobReport(rows_total=total)
         report.rows_in_output, report.failed_in_output = sink.totals()

@@ -1,5 +1,5 @@
-"""Output shards, written atomically (temp file, fsync, rename), so that a shard on disk is always
-complete. The shards are the record of what is done: a restarted job reads their row ids and skips
+"""Output shards, each written whole (on disk: temp file, fsync, rename; on object storage: one PUT),
+so that a shard in the output is always complete. The shards are the record of what is done: a restarted job reads their row ids and skips
 those rows, so nothing is lost or written twice whatever the moment the previous run died."""
 
 from __future__ import annotations
@@ -199,106 +199,80 @@ def _json_line(row: dict[str, Any]) -> str:
 
 
 class ShardSink:
-    """Writes ``PREFIX-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards.
+    """Writes ``PREFIX-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards into an
+    output store (``batchgen/job/store.py``: a local directory or an S3 prefix).
 
     ``prefix`` is ``part`` for a whole job and ``part-IIIII-of-NNNNN`` for a worker of a sharded
-    one, so that the workers of one job never pick the same file name. Each sink reads and writes
-    only its own shards. Temp files a crash or a full disk left behind are removed at start.
+    one, so that the workers of one job never pick the same name. Each sink reads and writes only
+    its own shards. Temp files a crash or a full disk left behind are removed at start.
     """
 
     def __init__(
         self,
-        out_dir: str | Path,
+        out: Any,
         fmt: str,
         id_key: str,
         prefix: str = "part",
         clean: bool = True,
-        gate: CommitGate | None = None,
+        gate: Any = None,
         output_fields: list[pa.Field] | None = None,
     ) -> None:
-        self.dir = Path(out_dir)
+        from batchgen.job.store import LocalStore
+
+        self.store = LocalStore(str(out)) if isinstance(out, (str, Path)) else out
         self.output_fields = output_fields
         self.gate = gate
         self.fmt = fmt
         self.id_key = id_key
         self.prefix = prefix
         self._name = re.compile(rf"^{re.escape(prefix)}-(\d+)\.(parquet|jsonl)$")
-        self.dir.mkdir(parents=True, exist_ok=True)
         if clean:  # not by a Ray replica: another one may be writing
-            for stale in self.dir.glob(f".{prefix}-*.tmp"):
-                _discard(stale)
-        self.next_index = (
-            max((int(m.group(1)) for m in map(self._name.match, os.listdir(self.dir)) if m), default=-1) + 1
-        )
+            self.store.clean_temp(f"{prefix}-")
+        self.next_index = max((int(m.group(1)) for m in map(self._name.match, self.store.files()) if m), default=-1) + 1
         self.schema: pa.Schema | None = None
-        self._rows_by_shard: dict[str, int] | None = None
+        self._counts: dict[str, tuple[int, int]] | None = None  # shard -> (rows, failed rows)
 
-    def shards(self) -> list[Path]:
-        return sorted(p for p in self.dir.iterdir() if self._name.match(p.name))
+    def shards(self) -> list[str]:
+        return [n for n in self.store.files() if self._name.match(n)]
 
     def shard_rows(self) -> dict[str, int]:
-        """Every shard on disk and its row count (read once, then kept up to date by ``write``)."""
-        if self._rows_by_shard is None:
-            self._rows_by_shard = self._scan_rows()
-        return dict(self._rows_by_shard)
+        """Every shard in the output and its row count (read once, then kept up to date by ``write``)."""
+        return {name: rows for name, (rows, _) in self._shard_counts().items()}
 
-    def _scan_rows(self) -> dict[str, int]:
-        out = {}
-        for shard in self.shards():
-            if shard.suffix == ".parquet":
-                out[shard.name] = pq.ParquetFile(shard).metadata.num_rows
-            else:
-                with open(shard) as f:
-                    out[shard.name] = sum(1 for line in f if line.strip())
-        return out
+    def _shard_counts(self) -> dict[str, tuple[int, int]]:
+        if self._counts is None:
+            self._counts = {name: shard_counts(self.store, name) for name in self.shards()}
+        return self._counts
 
     def done_ids(self) -> set[str]:
         """Ids of the rows in the shards: ``str(id)``, or ``#POSITION`` for a row without an id."""
         done: set[str] = set()
         for shard in self.shards():
-            done.update(shard_ids(shard, self.id_key))
+            done.update(shard_ids(self.store, shard, self.id_key))
         return done
 
     def totals(self) -> tuple[int, int]:
-        """(rows, failed rows) over every shard on disk."""
-        rows = failed = 0
-        for shard in self.shards():
-            if shard.suffix == ".parquet":
-                err = pq.read_table(shard, columns=["error"]).column(0)
-                rows += len(err)
-                failed += len(err) - err.null_count
-            else:
-                with open(shard) as f:
-                    for line in f:
-                        if line.strip():
-                            rows += 1
-                            failed += json.loads(line).get("error") is not None
-        return rows, failed
+        """(rows, failed rows) over every shard in the output."""
+        counts = self._shard_counts().values()
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
-    def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None, index: int | None = None) -> Path:
-        """Write one shard atomically; on failure nothing of it stays (``OutputWriteError``).
-        ``index`` names it (a Ray unit of work, so that a retry overwrites); by default the next."""
+    def write(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None, index: int | None = None) -> str:
+        """Write one shard whole; on failure nothing of it stays (``OutputWriteError`` or the
+        store's error). ``index`` names it (a Ray unit of work, so that a retry overwrites); by
+        default the next. Returns the shard's name."""
         number = self.next_index if index is None else index
-        path = self.dir / f"{self.prefix}-{number:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
+        name = f"{self.prefix}-{number:06d}.{'parquet' if self.fmt == 'parquet' else 'jsonl'}"
         if self.fmt == "parquet":
-            table = self._table(rows, input_schema)
-            tmp = _tmp_path(path)
-            try:
-                pq.write_table(table, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                _commit(tmp, path, self.gate)
-            except OSError as e:
-                _discard(tmp)
-                raise OutputWriteError(path, e) from e
-            _fsync_dir(self.dir)
+            buf = pa.BufferOutputStream()
+            pq.write_table(self._table(rows, input_schema), buf)
+            data = buf.getvalue().to_pybytes()
         else:
             data = "".join(_json_line(r) for r in rows).encode("utf-8", "replace")
-            atomic_write_bytes(path, data, self.gate)
+        self.store.write(name, data, self.gate)
         self.next_index = max(self.next_index, number + 1)
-        if self._rows_by_shard is not None:
-            self._rows_by_shard[path.name] = len(rows)
-        return path
+        if self._counts is not None:
+            self._counts[name] = (len(rows), sum(r.get("error") is not None for r in rows))
+        return name
 
     def _table(self, rows: list[dict[str, Any]], input_schema: pa.Schema | None) -> pa.Table:
         if self.schema is None:
@@ -306,14 +280,27 @@ class ShardSink:
         return rows_table(rows, self.schema)
 
     def rescan(self) -> None:
-        """Read the shards on disk again: other processes (Ray replicas) may have written some."""
-        self._rows_by_shard = self._scan_rows()
+        """Read the shards again: other processes (Ray replicas) may have written some."""
+        known = self._counts or {}
+        self._counts = {name: known.get(name) or shard_counts(self.store, name) for name in self.shards()}
 
-    def note(self, name: str, rows: int) -> None:
-        """Record a shard that another process wrote into this directory (a Ray replica)."""
-        if self._rows_by_shard is None:
-            self._rows_by_shard = self._scan_rows()
-        self._rows_by_shard[name] = rows
+    def note(self, name: str, rows: int, failed: int | None = None) -> None:
+        """Record a shard that another process wrote into this output (a Ray replica)."""
+        counts = self._shard_counts()
+        counts[name] = (rows, failed) if failed is not None else shard_counts(self.store, name)
+
+
+def shard_counts(store: Any, name: str) -> tuple[int, int]:
+    """(rows, failed rows) of one shard: its row count and non-null ``error`` values."""
+    if name.endswith(".parquet"):
+        err = pq.read_table(store.open_input(name), columns=["error"]).column(0)
+        return len(err), len(err) - err.null_count
+    rows = failed = 0
+    for line in (store.read(name) or b"").splitlines():
+        if line.strip():
+            rows += 1
+            failed += json.loads(line).get("error") is not None
+    return rows, failed
 
 
 _OUTPUT_NAMES = {o.name for o in generation_fields(True, True, True) + score_fields(True)}
@@ -342,23 +329,23 @@ def row_identity(value: Any, position: int, error: str | None = None) -> str:
     return "#" + text if text.startswith("#") else text
 
 
-def shard_ids(shard: Path, id_key: str) -> list[str]:
+def shard_ids(store: Any, name: str, id_key: str) -> list[str]:
     """The identities (``row_identity``) of the rows in one shard, in order."""
-    if shard.suffix == ".parquet":
-        names = pq.ParquetFile(shard).schema_arrow.names
+    if name.endswith(".parquet"):
+        pf = pq.ParquetFile(store.open_input(name))
+        names = pf.schema_arrow.names
         cols = [id_key] + (["row_index"] if "row_index" in names and id_key != "row_index" else [])
-        table = pq.read_table(shard, columns=[*cols, "error"])
+        table = pf.read(columns=[*cols, "error"])
         ids = table.column(0).to_pylist()
         positions = table.column(1).to_pylist() if len(cols) > 1 else ids
         errors = table.column("error").to_pylist()
         return [row_identity(v, pos, err) for v, pos, err in zip(ids, positions, errors, strict=True)]
     out = []
-    with open(shard) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                error = (row.get("error") or {}).get("message")
-                out.append(row_identity(row["custom_id"], row.get("row_index", -1), error))
+    for line in (store.read(name) or b"").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            error = (row.get("error") or {}).get("message")
+            out.append(row_identity(row["custom_id"], row.get("row_index", -1), error))
     return out
 
 

@@ -14,8 +14,50 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as pads
 
+from batchgen import storage
+
+
+def _open(path: str) -> Any:
+    """A binary file of a local path or a URI (object storage: streamed), iterated by lines."""
+    if not storage.is_uri(path):
+        return open(path, "rb")
+    fs, inner = storage.filesystem(path)
+    return _Lines(fs.open_input_stream(inner))
+
+
+class _Lines:
+    """The lines of a pyarrow input stream (which has no ``readline``), read 1 MiB at a time."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> _Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stream.close()
+
+    def __iter__(self) -> Iterator[bytes]:
+        rest = b""
+        while chunk := self.stream.read(1 << 20):
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            yield from (line + b"\n" for line in lines)
+        if rest:
+            yield rest
+
+
+def _name(path: str | Path) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
 
 def _arrow_dataset(files: list[str], fmt: str) -> pads.Dataset:
+    if files and storage.is_uri(files[0]):  # object storage: ``files`` lists every file (storage.expand)
+        suffixes = (".parquet",) if fmt == "parquet" else (".arrow", ".feather", ".ipc")
+        chosen = [f for f in files if f.endswith(suffixes)] or files
+        fs, _ = storage.filesystem(chosen[0])
+        inner = [storage.filesystem(f)[1] for f in chosen]
+        return pads.dataset(inner, format="parquet" if fmt == "parquet" else _ipc_format(chosen[0]), filesystem=fs)
     paths: list[str] = []
     for f in files:
         p = Path(f)
@@ -36,8 +78,13 @@ def _ipc_format(path: str) -> str:
     import pyarrow.ipc as ipc
 
     try:
-        with pa.memory_map(path) as src:
-            ipc.open_file(src)
+        if storage.is_uri(path):
+            fs, inner = storage.filesystem(path)
+            with fs.open_input_file(inner) as src:
+                ipc.open_file(src)
+        else:
+            with pa.memory_map(path) as src:
+                ipc.open_file(src)
         return "ipc"
     except pa.ArrowInvalid:
         raise ValueError(
@@ -49,6 +96,12 @@ def _ipc_format(path: str) -> str:
 def _hf_dataset(files: list[str]):
     from datasets import load_from_disk
 
+    if storage.is_uri(files[0]):
+        raise ValueError(
+            f"{storage.redact(files[0])}: a save_to_disk dataset is read from a local directory; in "
+            "object storage, use its Parquet or Arrow files (input.format: parquet / arrow)"
+        )
+
     ds = load_from_disk(files[0])
     if hasattr(ds, "keys"):  # a DatasetDict: take its splits in order
         import datasets
@@ -57,7 +110,9 @@ def _hf_dataset(files: list[str]):
     return ds
 
 
-def _jsonl_files(files: list[str]) -> list[Path]:
+def _jsonl_files(files: list[str]) -> list[Path] | list[str]:
+    if files and storage.is_uri(files[0]):
+        return [f for f in files if f.endswith((".jsonl", ".json", ".ndjson"))] or files
     out: list[Path] = []
     for f in files:
         p = Path(f)
@@ -92,7 +147,7 @@ def _iter_jsonl(files: list[str], batch_rows: int) -> Iterator[list[dict[str, An
     (the rest of the row is kept); a line that is not a JSON object becomes an error row."""
     batch: list[dict[str, Any]] = []
     for path in _jsonl_files(files):
-        with open(path, "rb") as f:
+        with _open(str(path)) as f:
             for lineno, raw in enumerate(f, 1):
                 if not raw.strip():  # the test count_rows makes, so that both count the same lines
                     continue
@@ -103,7 +158,7 @@ def _iter_jsonl(files: list[str], batch_rows: int) -> Iterator[list[dict[str, An
                         raise ValueError("not a JSON object")
                     row = valid_text(row)
                 except (ValueError, RecursionError) as e:
-                    row = {"__error__": f"{path.name} line {lineno}: invalid JSON ({valid_text(str(e))[:200]})"}
+                    row = {"__error__": f"{_name(path)} line {lineno}: invalid JSON ({valid_text(str(e))[:200]})"}
                 batch.append(row)
                 if len(batch) >= batch_rows:
                     yield batch
@@ -151,7 +206,7 @@ def count_rows(files: list[str], fmt: str) -> int | None:
         if fmt in ("jsonl", "openai"):
             total = 0
             for p in _jsonl_files(files):
-                with open(p, "rb") as f:
+                with _open(str(p)) as f:
                     total += sum(1 for line in f if line.strip())
             return total
     except Exception:  # noqa: BLE001 - only for the progress bar
@@ -312,6 +367,8 @@ class InputChanged(RuntimeError):
 
 def input_state(files: list[str]) -> dict[str, tuple[int, int]]:
     """Size and modification time of every file the input spans (directories walked)."""
+    if files and storage.is_uri(files[0]):
+        return {f: _remote_state(f) for f in files}
     paths: list[Path] = []
     for f in files:
         p = Path(f)
@@ -328,11 +385,30 @@ def check_unchanged(state: dict[str, tuple[int, int]]) -> None:
     from a file being rewritten or truncated would be wrong or missing in the output."""
     for path, (size, mtime) in state.items():
         try:
-            st = os.stat(path)
+            now = _remote_state(path) if storage.is_uri(path) else _local_state(path)
         except FileNotFoundError:
-            raise InputChanged(f"input file {path} disappeared while the job was reading it") from None
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise InputChanged(f"input file {storage.redact(path)} disappeared while the job was reading it") from None
+        if now != (size, mtime):
             raise InputChanged(
-                f"input file {path} changed while the job was reading it (size {size} -> {st.st_size} "
+                f"input file {storage.redact(path)} changed while the job was reading it (size {size} -> {now[0]} "
                 "bytes); the rows written so far are kept, rerun once the input is stable"
             )
+
+
+def _local_state(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _remote_state(uri: str) -> tuple[int, int]:
+    """An object's size and modification time; ``FileNotFoundError`` when it is gone."""
+    import pyarrow.fs as pafs
+
+    fs, inner = storage.filesystem(uri)
+    try:
+        info = fs.get_file_info(inner)
+    except OSError as e:
+        raise storage.StorageError(f"reading {storage.describe_error(e, uri)}") from None
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(uri)
+    return info.size or 0, info.mtime_ns or 0

@@ -17,8 +17,9 @@ from typing import Any
 
 from batchgen.job.config import ConfigError, JobConfig, detect_format, input_files, load_job_config
 from batchgen.job.rows import RowIdentities
-from batchgen.job.sink import atomic_write_bytes, shard_ids
+from batchgen.job.sink import shard_ids
 from batchgen.job.source import iter_rows
+from batchgen.job.store import BOOKKEEPING_DIR, LocalStore, S3Store, open_store
 
 SHARD_NAME = re.compile(r"^part(-.+)?-\d+\.(parquet|jsonl)$")
 SHOWN = 20  # ids named per kind of problem
@@ -69,20 +70,22 @@ def _some(ids: list[str]) -> str:
     return ", ".join(ids[:SHOWN]) + (f", ... {len(ids) - SHOWN} more" if len(ids) > SHOWN else "")
 
 
-def config_of(out_dir: Path) -> str:
-    """The config file the manifests of ``out_dir`` name (they must agree)."""
+def config_of(store: LocalStore | S3Store) -> str:
+    """The config file the manifests of the output name (they must agree)."""
     names = set()
-    for manifest in sorted((out_dir / ".batchgen").glob("manifest*.json")):
+    for name in store.files(BOOKKEEPING_DIR):
+        if not (name.startswith("manifest") and name.endswith(".json")):
+            continue
         try:
-            names.add(json.loads(manifest.read_text()).get("config"))
+            names.add(json.loads(store.read(f"{BOOKKEEPING_DIR}/{name}") or b"").get("config"))
         except ValueError:
             continue
     names.discard(None)
     if not names:
-        raise ConfigError(f"{out_dir}: no manifest names the job's config; pass --config")
+        raise ConfigError(f"{store.display}: no manifest names the job's config; pass --config")
     if len(names) > 1:
         raise ConfigError(
-            f"{out_dir}: the manifests name different configs ({', '.join(sorted(names))}); pass --config"
+            f"{store.display}: the manifests name different configs ({', '.join(sorted(names))}); pass --config"
         )
     return names.pop()
 
@@ -105,10 +108,14 @@ def expected_ids(cfg: JobConfig) -> list[str]:
 
 
 def verify(out_dir: str | Path, config: str | None = None) -> Verification:
-    out = Path(out_dir)
-    if not out.is_dir():
-        raise ConfigError(f"output directory {str(out)!r} does not exist")
-    cfg = load_job_config(config or config_of(out))
+    """``out_dir``: a local directory or an ``s3://`` prefix (read with ``config``'s storage
+    options, else the environment's)."""
+    cfg = load_job_config(config) if config else None
+    out = open_store(str(out_dir))
+    if not out.exists():
+        raise ConfigError(f"output directory {out.display!r} does not exist")
+    if cfg is None:
+        cfg = load_job_config(config_of(out))
     files = input_files(cfg.input.path)
     openai_in = detect_format(cfg.input, files) == "openai"
     id_key = "custom_id" if openai_in else (cfg.input.id_column or "row_index")
@@ -116,14 +123,14 @@ def verify(out_dir: str | Path, config: str | None = None) -> Verification:
     first: dict[str, str] = {}  # id -> the shard it was first found in
     duplicated: dict[str, list[str]] = {}
     result = Verification(rows_expected=len(expected))
-    for shard in sorted(p for p in out.iterdir() if SHARD_NAME.match(p.name)):
+    for shard in (n for n in out.files() if SHARD_NAME.match(n)):
         result.shards += 1
-        for rid in shard_ids(shard, id_key):
+        for rid in shard_ids(out, shard, id_key):
             result.rows_in_output += 1
             if rid in first:
-                duplicated.setdefault(rid, [first[rid]]).append(shard.name)
+                duplicated.setdefault(rid, [first[rid]]).append(shard)
             else:
-                first[rid] = shard.name
+                first[rid] = shard
     expected_set = set(expected)
     result.missing = [rid for rid in expected if rid not in first]
     result.duplicated = duplicated
@@ -134,8 +141,9 @@ def verify(out_dir: str | Path, config: str | None = None) -> Verification:
 def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]:
     """The workers' reports summed (rows, tokens, errors; wall time the longest), with the
     verification, written to ``OUT/.batchgen/report.json``."""
-    meta = Path(out_dir) / ".batchgen"
-    reports = sorted(meta.glob("report-*-of-*.json")) or sorted(meta.glob("report.json"))
+    store = open_store(str(out_dir))
+    names = store.files(BOOKKEEPING_DIR)
+    reports = sorted(n for n in names if re.match(r"^report-.*-of-.*\.json$", n)) or [n for n in names if n == "report.json"]
     combined: dict[str, Any] = {"workers": len(reports)}
     sums = (
         "rows_ok",
@@ -145,9 +153,9 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
         "rows_deduplicated",
         "duplicate_ids",
     )
-    for path in reports:
+    for name in reports:
         try:
-            r = json.loads(path.read_text())
+            r = json.loads(store.read(f"{BOOKKEEPING_DIR}/{name}") or b"")
         except ValueError:
             continue
         for key in sums:
@@ -161,6 +169,5 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
         )
     combined["rows_in_output"] = result.rows_in_output
     combined["verify"] = result.to_dict()
-    meta.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(meta / "report.json", json.dumps(combined, indent=2).encode())
+    store.write(f"{BOOKKEEPING_DIR}/report.json", json.dumps(combined, indent=2).encode())
     return combined

@@ -162,11 +162,11 @@ class CliProcess:
             return out.read(), err.read()
 
 
-def start_job(config: Path, *extra: str, progress_lines: bool = False) -> CliProcess:
+def start_job(config: Path, *extra: str, progress_lines: bool = False, env: dict[str, str] | None = None) -> CliProcess:
     """Start ``python -m batchgen job CONFIG --no-progress EXTRA`` from the config's directory.
     ``progress_lines``: the job prints its progress as lines on stdout (``rows_done`` reads them),
-    as a replica of a local job does."""
-    env = {"BATCHGEN_PROGRESS_LINES": "1"} if progress_lines else None
+    as a replica of a local job does. ``env``: variables added to this process's (credentials)."""
+    env = {**(env or {}), **({"BATCHGEN_PROGRESS_LINES": "1"} if progress_lines else {})}
     return CliProcess(["job", str(config), "--no-progress", *extra], config.parent, env)
 
 
@@ -176,12 +176,12 @@ def rows_done(proc: CliProcess) -> int:
     return int(lines[-1].split()[1]) if lines else 0
 
 
-def run_job(config: Path, *extra: str, idle_timeout: float = 300) -> subprocess.CompletedProcess:
+def run_job(config: Path, *extra: str, idle_timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m batchgen job CONFIG --no-progress EXTRA`` to the end. It is stopped (and the
     test fails) only after ``idle_timeout`` seconds without progress, i.e. with no change in the
     output directory: a slow or loaded machine makes a job slow, not a failure."""
-    proc = start_job(config, *extra)
-    _wait_while_progressing(proc, _output_dir(config), idle_timeout)
+    proc = start_job(config, *extra, env=env)
+    _wait_while_progressing(proc, _output_dir(config), idle_timeout, env)
     out, err = proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -193,13 +193,15 @@ def finish_job(proc: CliProcess, out_dir: Path, idle_timeout: float = 300) -> tu
     return proc.communicate()
 
 
-def _wait_while_progressing(proc: CliProcess, out_dir: Path | None, idle_timeout: float) -> None:
+def _wait_while_progressing(
+    proc: CliProcess, out_dir: Path | str | None, idle_timeout: float, env: dict[str, str] | None = None
+) -> None:
     """Wait for ``proc`` to end; kill it (and raise TimeoutExpired) after ``idle_timeout`` seconds
     in which ``out_dir`` did not change."""
-    last, seen = time.monotonic(), _progress(out_dir)
+    last, seen = time.monotonic(), _progress(out_dir, env)
     while proc.poll() is None:
         time.sleep(0.1)
-        now = _progress(out_dir)
+        now = _progress(out_dir, env)
         if now != seen:
             last, seen = time.monotonic(), now
         elif time.monotonic() - last > idle_timeout:
@@ -208,22 +210,42 @@ def _wait_while_progressing(proc: CliProcess, out_dir: Path | None, idle_timeout
             raise subprocess.TimeoutExpired(proc.args, idle_timeout)
 
 
-def _output_dir(config: Path) -> Path | None:
+def _output_dir(config: Path) -> Path | str | None:
     try:
         path = yaml.safe_load(config.read_text())["output"]["path"]
     except Exception:  # noqa: BLE001 - a test of a broken config
         return None
+    if path.startswith("s3://"):
+        return path
     return (config.parent / path) if not Path(path).is_absolute() else Path(path)
 
 
-def _progress(out_dir: Path | None) -> tuple:
-    """What changes while a job works: its output files and their sizes."""
+def _progress(out_dir: Path | str | None, env: dict[str, str] | None = None) -> tuple:
+    """What changes while a job works: its output files (or objects) and their sizes."""
+    if isinstance(out_dir, str):
+        return _objects(out_dir, env or {})
     if out_dir is None or not out_dir.is_dir():
         return ()
     try:
         return tuple(sorted((p.name, p.stat().st_size) for p in out_dir.iterdir()))
     except OSError:
         return ()
+
+
+def _objects(uri: str, env: dict[str, str]) -> tuple:
+    """The objects under an s3:// prefix and their sizes, read with the job's credentials (``env``)."""
+    import boto3
+
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    try:
+        client = boto3.client(
+            "s3", endpoint_url=env.get("AWS_ENDPOINT_URL"), region_name=env.get("AWS_REGION", "us-east-1"),
+            aws_access_key_id=env.get("AWS_ACCESS_KEY_ID"), aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+        )
+        page = client.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    except Exception:  # noqa: BLE001 - the server down (a fault test), or no credentials
+        return ()
+    return tuple(sorted((o["Key"], o["Size"]) for o in page.get("Contents", [])))
 
 
 def write_config(tmp: Path, model: str, input_spec: dict, generation: dict, name="job.yaml", **more) -> Path:
