@@ -198,6 +198,7 @@ def _config_keys() -> str:
 
     from batchgen.config import EngineConfig
     from batchgen.job.config import InputConfig, LoRAConfig, OutputConfig, RayConfig, RunConfig
+    from batchgen.storage import StorageOptions
 
     def keys(cls, skip=()) -> str:
         out = []
@@ -226,6 +227,7 @@ def _config_keys() -> str:
             f"  run: {keys(RunConfig)}",
             f"  ray (run.executor: ray): {keys(RayConfig)}",
             f"  lora (input.lora_column names one per row): {keys(LoRAConfig)}",
+            f"  storage (s3:// paths; credentials from AWS_* variables, a profile or a role): {keys(StorageOptions)}",
             "exit codes: 0 done, 1 failed (output, input, too many failed rows), 2 refused before any "
             "work, 128 + signal when stopped by SIGTERM / SIGINT (finished rows saved)",
         ]

