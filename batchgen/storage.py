@@ -91,11 +91,17 @@ def redact(text: str) -> str:
 
 
 def split_s3(uri: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``."""
-    rest = _USERINFO.sub(r"\1", uri)[len("s3://") :]
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``. Credentials in the URI are refused (printed
+    redacted): they would end up in logs, manifests and shell histories."""
+    if _USERINFO.match(uri):
+        raise StorageError(
+            f"{redact(uri)!r}: credentials in a URI are not read; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or a profile (storage.profile)"
+        )
+    rest = uri[len("s3://") :]
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise ValueError(f"{redact(uri)!r}: no bucket in the URI (s3://BUCKET/PREFIX)")
+        raise StorageError(f"{redact(uri)!r}: no bucket in the URI (s3://BUCKET/PREFIX)")
     return bucket, key
 
 

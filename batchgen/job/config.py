@@ -679,13 +679,17 @@ def detect_format(inp: InputConfig, files: list[str]) -> str:
         return "arrow"
     if suffix in (".jsonl", ".json", ".ndjson"):
         with open(first, encoding="utf-8", errors="replace") as f:
-            line = f.readline()
-        try:
-            obj = json.loads(line) if line.strip() else {}
-        except ValueError:
-            obj = {}
-        return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
+            return _jsonl_kind(f.readline())
     return "parquet"
+
+
+def _jsonl_kind(first_line: str) -> str:
+    """``openai`` when a JSON Lines file's first line is a batch request (``custom_id`` + ``body``)."""
+    try:
+        obj = json.loads(first_line) if first_line.strip() else {}
+    except ValueError:
+        obj = {}
+    return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
 
 
 def _detect_remote(files: list[str]) -> str:
@@ -702,12 +706,7 @@ def _detect_remote(files: list[str]) -> str:
         first = next(f for f in files if f.lower().endswith((".jsonl", ".json", ".ndjson")))
         fs, inner = storage.filesystem(first)
         with fs.open_input_stream(inner) as f:
-            line = f.read(1 << 20).split(b"\n", 1)[0].decode("utf-8", errors="replace")
-        try:
-            obj = json.loads(line) if line.strip() else {}
-        except ValueError:
-            obj = {}
-        return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
+            return _jsonl_kind(f.read(1 << 20).split(b"\n", 1)[0].decode("utf-8", errors="replace"))
     return "parquet"
 
 

@@ -253,7 +253,7 @@ def test_two_jobs_on_one_prefix_together_and_staggered(tmp_path, llama_dir, s3):
     res = run_job(config, env=s3.env())
     assert res.returncode == 0 and "nothing to do" in res.stdout
 
-    n = 400  # enough rows that the first job is still writing when the second one starts
+    n = 200  # enough rows that the first job is still writing when the second one starts
     bucket, config = start_remote(tmp_path, llama_dir, s3, n, "staggered.yaml")
     first = start_job(config, env=s3.env())
     wait_for(lambda: shards_in(s3, bucket), first, "the first shard")
@@ -310,6 +310,16 @@ def test_secrets_in_a_uri_are_redacted():
     assert storage.redact("s3://AKIA123:secret@bucket/k") == "s3://***@bucket/k"
     assert "sekrit" not in storage.redact("https://host/x?X-Amz-Signature=sekrit&a=1")
     assert "tok" not in storage.redact("az://c/p?sig=tok")
+
+
+def test_credentials_in_a_uri_are_refused_and_never_printed(tmp_path, llama_dir):
+    pq.write_table(pa.Table.from_pylist(make_rows(2)), tmp_path / "x.parquet")
+    for spec, out in (({"path": "s3://AKIAKEY:topsecret@bkt/in/"}, str(tmp_path / "o1")),
+                      ({"path": str(tmp_path / "x.parquet")}, "s3://AKIAKEY:topsecret@bkt/out")):
+        config = with_model(s3_config(tmp_path, {**spec, "prompt_column": "prompt"}, out), llama_dir)
+        res = run_job(config)
+        assert res.returncode == 2 and "credentials in a URI are not read" in res.stderr, res.stderr
+        assert "topsecret" not in res.stderr + res.stdout and "s3://***@bkt/" in res.stderr
 
 
 def test_a_job_names_a_scheme_it_cannot_write(tmp_path, llama_dir):
