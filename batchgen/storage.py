@@ -163,10 +163,12 @@ def _s3_filesystem() -> Any:
         kwargs["endpoint_override"] = endpoint
         kwargs["scheme"] = endpoint.split("://", 1)[0]
     if not _options.anonymous:
-        # boto3 resolves the credentials (environment, profile, SSO, instance role) so that the
-        # reader and the writer use the same ones
+        # found by boto3's chain (environment, profile, SSO, web identity, instance role) or one
+        # line saying there are none; the reader then resolves them itself through the same chain,
+        # so that temporary credentials are refreshed in a long job (a named profile is passed on)
         creds = _credentials()
-        kwargs.update(access_key=creds.access_key, secret_key=creds.secret_key, session_token=creds.token)
+        if _options.profile:
+            kwargs.update(access_key=creds.access_key, secret_key=creds.secret_key, session_token=creds.token)
     kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=_options.max_attempts)
     return pafs.S3FileSystem(**kwargs)
 

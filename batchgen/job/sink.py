@@ -209,7 +209,7 @@ class ShardSink:
 
     def __init__(
         self,
-        out: Any,
+        store: Any,
         fmt: str,
         id_key: str,
         prefix: str = "part",
@@ -217,9 +217,7 @@ class ShardSink:
         gate: Any = None,
         output_fields: list[pa.Field] | None = None,
     ) -> None:
-        from batchgen.job.store import LocalStore
-
-        self.store = LocalStore(str(out)) if isinstance(out, (str, Path)) else out
+        self.store = store  # a LocalStore or S3Store (batchgen/job/store.py)
         self.output_fields = output_fields
         self.gate = gate
         self.fmt = fmt

@@ -330,6 +330,7 @@ def test_once_the_commit_gate_is_shut_no_other_process_adds_a_shard(tmp_path):
     commit when ``stop`` is called finishes it first; one that commits after drops its shard,
     leaving neither the shard nor its temp file."""
     from batchgen.job.sink import CommitGate, ShardDropped, ShardSink
+    from batchgen.job.store import LocalStore
 
     meta = tmp_path / ".batchgen"
     meta.mkdir()
@@ -351,7 +352,7 @@ def test_once_the_commit_gate_is_shut_no_other_process_adds_a_shard(tmp_path):
     gate.stop()  # waits for the commit in progress
     assert (tmp_path / "part-ray-000001.parquet").exists()
     assert writer.wait(timeout=60) == 0
-    sink = ShardSink(tmp_path, "parquet", "id", prefix="part-ray", clean=False, gate=gate)
+    sink = ShardSink(LocalStore(str(tmp_path)), "parquet", "id", prefix="part-ray", clean=False, gate=gate)
     with pytest.raises(ShardDropped):
         sink.write([{"id": "a", "prompt": "p", "error": None}], None, index=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".batchgen", "part-ray-000001.parquet", "started"]
