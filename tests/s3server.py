@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+PUBLIC_BUCKET = "public-data"  # readable without credentials (storage.anonymous)
 USERS = {"admin": ("batchgen-admin", "admin-secret-0123"), "reader": ("batchgen-reader", "reader-secret-0123")}
 
 
@@ -70,6 +71,8 @@ class S3Server:
                 "credentials": [{"accessKey": USERS["reader"][0], "secretKey": USERS["reader"][1]}],
                 "actions": ["Read", "List"],
             },
+            # unsigned requests: read and list the public bucket only
+            {"name": "anonymous", "actions": [f"Read:{PUBLIC_BUCKET}", f"List:{PUBLIC_BUCKET}"]},
         ]
         self.config = root / "s3.json"
         self.config.write_text(json.dumps({"identities": identities}))

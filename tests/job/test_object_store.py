@@ -306,6 +306,30 @@ def test_credentials_and_permissions_are_refused_before_the_model_loads(tmp_path
     assert not shards_in(s3, bucket) and "model" not in res.stdout
 
 
+def test_a_public_bucket_is_read_with_storage_anonymous(tmp_path, llama_dir, s3):
+    """``storage.anonymous: true``: unsigned requests, which the server allows on its public bucket
+    only; the same job without it and without credentials is refused with one line."""
+    from tests.s3server import PUBLIC_BUCKET
+
+    client = s3.client()
+    if PUBLIC_BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=PUBLIC_BUCKET)
+    uri = upload(s3, PUBLIC_BUCKET, "anon/prompts.parquet", parquet_bytes(make_rows(4)))
+    config = with_model(
+        s3_config(tmp_path, {"path": uri, "prompt_column": "prompt", "id_column": "id"}, str(tmp_path / "out"),
+                  storage={"anonymous": True, "endpoint_url": s3.endpoint}),
+        llama_dir,
+    )
+    no_credentials = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                      "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "us-east-1"}
+    res = run_job(config, env=no_credentials)
+    assert res.returncode == 0, res.stderr
+    assert sorted(r["id"] for r in local_rows(tmp_path / "out")) == [0, 1, 2, 3]
+    config.write_text(config.read_text().replace("anonymous: true", "anonymous: false"))
+    res = run_job(config, "--overwrite", env=no_credentials)
+    assert res.returncode == 2 and "no credentials" in res.stderr, res.stderr
+
+
 def test_secrets_in_a_uri_are_redacted():
     assert storage.redact("s3://AKIA123:secret@bucket/k") == "s3://***@bucket/k"
     assert "sekrit" not in storage.redact("https://host/x?X-Amz-Signature=sekrit&a=1")
