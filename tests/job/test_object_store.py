@@ -387,3 +387,19 @@ def test_other_schemes_are_read_through_fsspec(tmp_path):
     files = input_files("memory://bg-test/j/rows.jsonl")
     assert detect_format(InputConfig(path=files[0]), files) == "jsonl"
     assert [r["prompt"] for batch in iter_rows(files, "jsonl", 2) for r in batch] == [r["prompt"] for r in rows]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="2 replicas of one core each need 2 CPUs")
+def test_replicas_of_one_job_write_one_bucket(tmp_path, llama_dir, s3):
+    """``run.replicas: 2`` on an S3 output: each replica a worker with its own lease and names, every
+    row once, every lease released, the replicas' reports summed."""
+    n = 12
+    bucket, config = start_remote(tmp_path, llama_dir, s3, n)
+    res = run_job(config, "--set", "run.replicas=2", env=s3.env())
+    assert res.returncode == 0, res.stderr
+    assert_exactly_once(s3, bucket, n)
+    keys = s3.keys(bucket, "out/")
+    assert {k.split("/")[-1].split("-of-")[0] for k in keys if "/part-" in k} == {"part-00000", "part-00001"}
+    assert not [k for k in keys if "/lease" in k]
+    report = json.loads(s3.client().get_object(Bucket=bucket, Key="out/.batchgen/report.json")["Body"].read())
+    assert report["rows_in_output"] == n and len(report["engine"]["replicas"]) == 2
