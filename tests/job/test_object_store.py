@@ -204,7 +204,7 @@ def assert_exactly_once(s3, bucket: str, n: int) -> list[dict]:
 
 
 def test_sigkill_after_the_first_shard_then_a_rerun_writes_every_row_once(tmp_path, llama_dir, s3):
-    n = 24
+    n = 60
     bucket, config = start_remote(tmp_path, llama_dir, s3, n)
     proc = start_job(config, env=s3.env())
     wait_for(lambda: shards_in(s3, bucket), proc, "the first shard")
@@ -241,7 +241,7 @@ def test_the_server_killed_mid_job_and_started_again(tmp_path, llama_dir, s3):
 
 
 def test_two_jobs_on_one_prefix_together_and_staggered(tmp_path, llama_dir, s3):
-    n = 40
+    n = 100  # the winner still runs while the other reads its lease
     bucket, config = start_remote(tmp_path, llama_dir, s3, n)
     together = [start_job(config, env=s3.env()) for _ in range(2)]
     results = [p.communicate(timeout=900) for p in together]
