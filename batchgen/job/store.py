@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -427,7 +426,3 @@ class StopMarker:
     def check(self, name: str) -> None:
         if self.store.read(self.name) is not None:
             raise ShardDropped(f"{name} finished after the job stopped; the rerun writes it again")
-
-    @contextlib.contextmanager
-    def commit(self, path: Any) -> Iterator[None]:  # the local gate's interface, unused here
-        yield
