@@ -18,7 +18,7 @@ import fnmatch
 import functools
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -61,7 +61,7 @@ def use(options: StorageOptions) -> None:
     global _options
     _options = options
     _s3_filesystem.cache_clear()
-    _s3_client.cache_clear()
+    s3_client.cache_clear()
 
 
 def options() -> StorageOptions:
@@ -132,7 +132,7 @@ def _need_boto3() -> Any:
 
 
 @functools.cache
-def _s3_client() -> Any:
+def s3_client() -> Any:
     """The boto3 client every object-store request of the job goes through (thread-safe)."""
     boto3 = _need_boto3()
     from botocore import UNSIGNED
@@ -146,10 +146,6 @@ def _s3_client() -> Any:
     )
     session = boto3.session.Session(profile_name=_options.profile)
     return session.client("s3", endpoint_url=endpoint_url(), region_name=_region(), config=config)
-
-
-def s3_client() -> Any:
-    return _s3_client()
 
 
 @functools.cache
@@ -257,11 +253,3 @@ def describe_error(error: BaseException, uri: str) -> str:
     if "could not connect" in low or "connection refused" in low or "connect timeout" in low or "curl" in low:
         return f"{where}: cannot reach the object store ({redact(endpoint_url() or 'the default endpoint')}): {redact(text)[:200]}"
     return f"{where}: {redact(text)[:300]}"
-
-
-def describe_options() -> dict[str, Any]:
-    """The storage options for a report: no secrets (there are none in them)."""
-    out = {k: v for k, v in asdict(_options).items() if v not in (None, False)}
-    if "endpoint_url" in out:
-        out["endpoint_url"] = redact(out["endpoint_url"])
-    return out

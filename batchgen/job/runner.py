@@ -198,9 +198,9 @@ class JobRunner:
                     continue
                 if self.shard is None or name.lstrip(".").startswith(mine):
                     self.store.delete(f"{folder}/{name}".lstrip("/"))
-        if isinstance(self.store, LocalStore):  # folders a user put there (a job writes none)
+        if self.shard is None and isinstance(self.store, LocalStore):  # folders a user put there
             for path in self.store.root.iterdir():
-                if path.is_dir() and path.name != BOOKKEEPING_DIR and self.shard is None:
+                if path.is_dir() and path.name != BOOKKEEPING_DIR:
                     shutil.rmtree(path)
 
     def _write_manifest(self, sink: ShardSink | None = None) -> None:

@@ -38,8 +38,6 @@ BOOKKEEPING_DIR = ".batchgen"  # manifest, report, locks and leases, inside the 
 class LocalStore:
     """An output directory on a POSIX filesystem."""
 
-    local = True
-
     def __init__(self, path: str) -> None:
         self.root = Path(storage.local_path(path))
         self.display = str(self.root)
@@ -100,8 +98,6 @@ def open_store(path: str) -> LocalStore | S3Store:
 
 class S3Store:
     """An output prefix in an S3 bucket (any S3-compatible endpoint), through boto3."""
-
-    local = False
 
     def __init__(self, uri: str) -> None:
         self.bucket, key = storage.split_s3(uri)

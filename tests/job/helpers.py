@@ -186,10 +186,12 @@ def run_job(config: Path, *extra: str, idle_timeout: float = 300, env: dict[str,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def finish_job(proc: CliProcess, out_dir: Path, idle_timeout: float = 300) -> tuple[str, str]:
-    """Wait for a job started with pipes to end, for as long as it makes progress in ``out_dir``;
-    returns its (stdout, stderr)."""
-    _wait_while_progressing(proc, out_dir, idle_timeout)
+def finish_job(
+    proc: CliProcess, out_dir: Path | str, idle_timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[str, str]:
+    """Wait for a job started with pipes to end, for as long as it makes progress in ``out_dir`` (an
+    s3:// prefix read with ``env``'s credentials); returns its (stdout, stderr)."""
+    _wait_while_progressing(proc, out_dir, idle_timeout, env)
     return proc.communicate()
 
 

@@ -230,7 +230,7 @@ def test_the_server_killed_mid_job_and_started_again(tmp_path, llama_dir, s3):
     wait_for(lambda: shards_in(s3, bucket), proc, "the first shard")
     s3.kill()
     s3.start()
-    out, err = finish_job(proc, Path("/nonexistent"), idle_timeout=600)
+    out, err = finish_job(proc, f"s3://{bucket}/out", env=s3.env())
     if proc.returncode != 0:
         assert proc.returncode == 1, err
         lines = [x for x in err.splitlines() if x.startswith("error:")]
@@ -276,6 +276,30 @@ def test_a_lease_from_another_machine_is_refused_while_it_lives_and_taken_over_o
     assert res.returncode == 2 and "pid 4242 on another-machine" in res.stderr, res.stderr
     assert not shards_in(s3, bucket)
     client.put_object(Bucket=bucket, Key="out/.batchgen/lease", Body=json.dumps({**lease, "expires": time.time() - 1}))
+    res = run_job(config, env=s3.env())
+    assert res.returncode == 0, res.stderr
+    assert_exactly_once(s3, bucket, n)
+
+
+def test_a_job_whose_lease_is_taken_over_stops_writing_with_one_line(tmp_path, llama_dir, s3):
+    """Another writer replaces the lease while the job runs: the job's next renewal (If-Match on its
+    own ETag) fails, it writes nothing more and exits 1 with one line; the rerun, once that lease
+    has expired, completes every row once."""
+    n = 300
+    bucket, config = start_remote(tmp_path, llama_dir, s3, n)
+    config.write_text(config.read_text() + "storage: {lease_seconds: 3}\n")  # renewed every second
+    proc = start_job(config, env=s3.env())
+    wait_for(lambda: shards_in(s3, bucket), proc, "the first shard")
+    other = {"owner": "x", "host": "another-machine", "pid": 4242, "lease_seconds": 60, "expires": time.time() + 600}
+    s3.client().put_object(Bucket=bucket, Key="out/.batchgen/lease", Body=json.dumps(other))
+    out, err = finish_job(proc, f"s3://{bucket}/out", env=s3.env())
+    assert proc.returncode == 1, err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "was taken over by another job" in errors[0], err
+    assert json.loads(s3.client().get_object(Bucket=bucket, Key="out/.batchgen/lease")["Body"].read())["owner"] == "x"
+    written = len(bucket_rows(s3, bucket, "out"))
+    assert written < n
+    s3.client().put_object(Bucket=bucket, Key="out/.batchgen/lease", Body=json.dumps({**other, "expires": time.time() - 1}))
     res = run_job(config, env=s3.env())
     assert res.returncode == 0, res.stderr
     assert_exactly_once(s3, bucket, n)
