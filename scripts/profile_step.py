@@ -1,134 +1,253 @@
-"""Where one engine step's time goes on the CPU path, at a batch of 128 decoding sequences
-(workload S shape: 16 prompts x n=8 on bench-56m), or of workload B's 64 beams (``--beam-width 4``:
-16 prompts, beam search of width 4; the beam step is in "post-processing").
+"""Where an engine step's time goes on the CPU path, on a benchmark workload's own requests and
+engine settings (``scripts/bench.py``: S, B, P, D, Z and the rest), measured by the engine's timers
+over every step of the run, with the decode-only steps apart.
 
-    python scripts/profile_step.py [--model models/bench-56m] [--steps 24] [--dtype bfloat16]
-        [--attention-backend torch] [--beam-width 4]
+    python scripts/profile_step.py [S|B|P|D|Z|...] [--model DIR] [--dtype bfloat16]
+        [--attention-backend torch] [--torch-profile 8] [--json profile.json]
 
-Prints each part's share of the step: the model forward (of which attention: KV write, scores,
-softmax), the LM head, sampling, scheduler + block manager, input building, post-processing
-(token append, stop checks), output assembly / detokenization. "Overhead" is everything outside
-the model forward and LM head.
+Parts of a step: the model forward (less its attention: linear layers, norms, rotary, activations),
+attention (KV write and the attention kernels), the LM head, sampling (or the beam step), the rest
+of post-processing (token append, stop checks, forks), scheduler + block manager, input building
+and block copies, output assembly. "Overhead" is everything outside the model forward and LM head.
+
+``--torch-profile N`` also runs N decode-only steps from the middle of the run under
+``torch.profiler`` and prints the operators with the most self CPU time, the compiled kernels among
+them (``kernel::NAME``: each call to the kernel library recorded as a range while the profiler runs).
+Those steps are left out of the engine-timer columns.
 
 With the compiled CPU attention (the default where it builds) it also prints the rate at which the
-decode kernel reads K/V: every row's whole context (shared prefix blocks are read once per row),
-over the kernel's own time, against this machine's memcpy bandwidth (bytes copied per second by
-``Tensor.copy_`` of a 256 MiB buffer, same thread count); and the same over the distinct blocks
-the kernel reads each call (each shared block once, whole), what must come from memory.
+decode kernel reads K/V over its own time: every row's whole context (shared prefix blocks read once
+per row), and the distinct blocks of each call (each shared block once, whole: what must come from
+memory), against this machine's memcpy bandwidth (bytes copied per second by ``Tensor.copy_`` of a
+256 MiB buffer, same thread count).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from batchgen import LLM, BeamSearchParams, SamplingParams
-from batchgen.model.attention import CpuAttention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import engine_settings, make_workloads, request_params  # noqa: E402
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.model.attention import CpuAttention  # noqa: E402
+
+PARTS = {  # part: its seconds from two snapshots of LLM.stats()
+    "model forward less attention": lambda s: s["forward_s"] - s["attention_s"],
+    "attention (KV write, kernels)": lambda s: s["attention_s"],
+    "LM head": lambda s: s["lm_head_s"],
+    "sampling / beam step": lambda s: s["sampler_s"],
+    "post-processing (append, stops, forks)": lambda s: s["postprocess_s"] - s["sampler_s"],
+    "scheduler + block manager": lambda s: s["schedule_s"],
+    "input building + block copies": lambda s: s["runner_prepare_s"],
+    "output assembly": lambda s: s["output_s"],
+}
+TIMERS = ("forward_s", "attention_s", "lm_head_s", "sampler_s", "postprocess_s", "schedule_s",
+          "runner_prepare_s", "output_s", "prefill_tokens", "decode_tokens")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="models/bench-56m")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("workload", nargs="?", default="S", help="a workload of scripts/bench.py (default S)")
+    ap.add_argument("--model", help="default: the workload's model (models/bench-56m, models/bench-z, ...)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
-    ap.add_argument(
-        "--beam-width", type=int, default=0, help="beam search of this width instead of n=8 sampling"
-    )
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                    help="also profile N decode-only steps with torch.profiler")
+    ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if not (Path(args.model) / "config.json").exists():
-        from batchgen.tiny import make_bench_model
+    name = args.workload.upper()
+    from transformers import AutoConfig
 
-        make_bench_model(args.model)
+    from batchgen.tiny import (
+        make_bench_deep_model,
+        make_bench_model,
+        make_bench_moe_model,
+        make_bench_z_model,
+    )
+
+    probe = make_workloads(32000, [name])
+    if not probe:
+        ap.error(f"unknown workload {args.workload!r}")
+    w = probe[0]
+    model, make = (
+        ("models/bench-z", make_bench_z_model) if w.z
+        else ("models/bench-deep", make_bench_deep_model) if w.deep
+        else ("models/bench-moe", make_bench_moe_model) if w.moe
+        else ("models/bench-56m", make_bench_model)
+    )
+    model = args.model or model
+    if not (Path(model) / "config.json").exists():
+        print(f"building the bench model in {model} ...", flush=True)
+        make(model)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    w = make_workloads(vocab, [name], vocab_deep=vocab, vocab_z=vocab)[0]
     torch.set_num_threads(args.threads)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device="cpu",
-        max_num_batched_tokens=4096,
-        num_threads=args.threads,
-        attention_backend=args.attention_backend,
-    )
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 32000, size=int(n)).tolist() for n in rng.integers(64, 257, size=16)]
+    if args.torch_profile:
+        record_kernel_calls()
+    llm = LLM(model, dtype=args.dtype, **engine_settings(w, args.threads, {"attention_backend": args.attention_backend}))
+    llm.generate([w.prompts[0][:16]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as bench.py
     eng = llm.engine
-    for i, p in enumerate(prompts):
-        params = (
-            BeamSearchParams(beam_width=args.beam_width, max_tokens=args.steps + 8, ignore_eos=True)
-            if args.beam_width
-            else SamplingParams(
-                n=8, temperature=0.8, top_p=0.95, max_tokens=args.steps + 8, ignore_eos=True, seed=i
-            )
-        )
-        eng.add_request(str(i), p, params)
-    for _ in range(4):  # prefill and the first decode steps
-        eng.step()
-    running = sum(len(g.live_seqs) for g in eng.scheduler.running)
+    for i, (prompt, params) in enumerate(zip(w.prompts, request_params(w), strict=True)):
+        eng.add_request(str(i), prompt, params)
     eng.reset_stats()
-    t = eng.runner.times
-    t.copy = t.prepare = t.forward = t.attention = t.lm_head = 0.0
-    backend = eng.runner.backend
-    kernel = {"s": 0.0, "bytes": 0, "distinct": 0}
-    calls = []  # (block table, context, block size, bytes per key) of each call, counted after the steps
-    if isinstance(backend, CpuAttention):
-        decode = backend._paged_decode
+    kernel = watch_decode_kernel(eng.runner.backend)
 
-        def timed(q, k_cache, v_cache, tables, context, *rest):
-            t1 = time.perf_counter()
-            out = decode(q, k_cache, v_cache, tables, context, *rest)
-            kernel["s"] += time.perf_counter() - t1
-            per_key = 2 * k_cache.shape[0] * k_cache.shape[-1] * k_cache.element_size()  # K and V
-            kernel["bytes"] += int(context.sum()) * per_key
-            calls.append((tables.clone(), context.clone(), k_cache.shape[2], per_key))
-            return out
+    def snapshot() -> dict[str, float]:
+        s = llm.stats()
+        return {k: float(s[k]) for k in TIMERS}
 
-        backend._paged_decode = timed
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
+    sums = {"all": dict.fromkeys(PARTS, 0.0), "decode": dict.fromkeys(PARTS, 0.0)}
+    wall = {"all": 0.0, "decode": 0.0}
+    steps = {"all": 0, "decode": 0}
+    rows = {"all": 0, "decode": 0}
+    profiled = None
+    decode_seen, last_decode = 0, False
+    while eng.has_unfinished():
+        before = snapshot()
+        if args.torch_profile and profiled is None and decode_seen >= 8 and last_decode:
+            profiled = run_profiled(eng, args.torch_profile)
+            continue
+        t0 = time.perf_counter()
         eng.step()
-    wall = time.perf_counter() - t0
-    for tables, context, block_size, per_key in calls:
-        in_context = torch.arange(tables.shape[1]) < ((context + block_size - 1) // block_size)[:, None]
-        kernel["distinct"] += int(tables[in_context].unique().numel()) * block_size * per_key
-    s = llm.stats()
-    parts = {
-        "model forward (linear layers, norms, rope)": s["forward_s"] - s["attention_s"],
-        "  attention (KV write, block gather, scores, softmax)": s["attention_s"],
-        "LM head": s["lm_head_s"],
-        "sampling": s["sampler_s"],
-        "post-processing (append, stop checks, forks)": s["postprocess_s"] - s["sampler_s"],
-        "scheduler + block manager": s["schedule_s"],
-        "input building + block copies": s["runner_prepare_s"],
-        "output assembly / detokenization": s["output_s"],
+        seconds = time.perf_counter() - t0
+        after = snapshot()
+        delta = {k: after[k] - before[k] for k in TIMERS}
+        decode = delta["prefill_tokens"] == 0 and delta["decode_tokens"] > 0
+        decode_seen, last_decode = decode_seen + decode, decode
+        for kind in ("all", "decode") if decode else ("all",):
+            wall[kind] += seconds
+            steps[kind] += 1
+            rows[kind] += int(delta["decode_tokens"] + delta["prefill_tokens"])
+            for part, fn in PARTS.items():
+                sums[kind][part] += fn(delta)
+    report = {
+        "workload": name, "model": model, "dtype": args.dtype, "threads": args.threads,
+        "steps": steps, "wall_s": wall, "tokens": rows,
+        "parts_s": sums, "torch_profile": profiled,
     }
-    print(f"{running} decoding sequences, {args.steps} steps, {wall / args.steps * 1000:.1f} ms per step")
-    print("| part | ms / step | share |")
+    print(f"workload {name} ({model}, {args.dtype}, {args.threads} threads): {steps['all']} steps in {wall['all']:.2f} s, "
+          f"{steps['decode']} of them decode-only ({rows['decode'] / max(steps['decode'], 1):.0f} rows each)")
+    print("| part | decode step ms (share) | whole run s (share) |")
     print("| --- | --- | --- |")
-    for name, sec in parts.items():
-        print(f"| {name} | {sec / args.steps * 1000:.1f} | {sec / wall:.1%} |")
-    model = s["forward_s"] + s["lm_head_s"]
-    print(
-        f"| other (loop, timers) | {(wall - sum(parts.values())) / args.steps * 1000:.1f} | "
-        f"{(wall - sum(parts.values())) / wall:.1%} |"
-    )
-    print(f"overhead outside the model forward and LM head: {(wall - model) / wall:.1%} of step time")
+    for part in [*PARTS, "other (loop, timers)"]:
+        cells = []
+        for kind in ("decode", "all"):
+            sec = sums[kind][part] if part in PARTS else wall[kind] - sum(sums[kind].values())
+            scale = 1000 / max(steps[kind], 1) if kind == "decode" else 1
+            cells.append(f"{sec * scale:.1f} ({sec / wall[kind]:.1%})" if wall[kind] else "-")
+        print(f"| {part} | {cells[0]} | {cells[1]} |")
+    step_ms = wall["decode"] * 1000 / max(steps["decode"], 1)
+    print(f"| whole step | {step_ms:.1f} | {wall['all']:.2f} |")
+    for kind in ("decode", "all"):
+        model_s = sum(sums[kind][p] for p in ("model forward less attention", "attention (KV write, kernels)", "LM head"))
+        if wall[kind]:
+            label = "decode steps" if kind == "decode" else "whole run"
+            print(f"overhead outside the model forward and LM head, {label}: {(wall[kind] - model_s) / wall[kind]:.1%}")
     if kernel["s"]:
         rate = kernel["bytes"] / kernel["s"] / 1e9
-        distinct = kernel["distinct"] / kernel["s"] / 1e9
+        distinct = kernel_distinct_bytes(kernel) / kernel["s"] / 1e9
         copy = memcpy_gb_s()
+        report["decode_kernel"] = {"s": kernel["s"], "gb_s": rate, "distinct_gb_s": distinct, "memcpy_gb_s": copy}
         print(
-            f"decode attention kernel: {kernel['s'] / args.steps * 1000:.1f} ms / step, reads K/V at {rate:.1f} GB/s; "
-            f"memcpy {copy:.1f} GB/s copied; ratio {rate / copy:.0%}"
+            f"decode attention kernel: {kernel['s']:.2f} s in the run, reads K/V at {rate:.1f} GB/s "
+            f"({rate / copy:.0%} of memcpy, {copy:.1f} GB/s copied); distinct blocks {distinct:.1f} GB/s "
+            f"({distinct / copy:.0%})"
         )
-        print(
-            f"  distinct K/V blocks read: {distinct:.1f} GB/s ({kernel['distinct'] / kernel['bytes']:.0%} of the "
-            f"per-row bytes), {distinct / copy:.0%} of memcpy"
-        )
+    if profiled:
+        print(f"\ntorch.profiler, {args.torch_profile} decode steps, {profiled['ms_per_step']:.1f} ms per step "
+              f"under the profiler; operators by self CPU time:")
+        print("| operator | calls per step | self ms per step | share of the step |")
+        print("| --- | --- | --- | --- |")
+        for op in profiled["ops"]:
+            print(f"| {op['name']} | {op['calls']:.0f} | {op['self_ms']:.2f} | {op['self_ms'] / profiled['ms_per_step']:.1%} |")
+        print(f"| (outside the recorded operators: Python) | | {profiled['outside_ms']:.2f} | "
+              f"{profiled['outside_ms'] / profiled['ms_per_step']:.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def run_profiled(eng, n: int, top: int = 15) -> dict:
+    """``n`` engine steps under ``torch.profiler``: the operators with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        RECORDING[0] = True
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        seconds = time.perf_counter() - t0
+        RECORDING[0] = False
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    inside = sum(e.self_cpu_time_total for e in ops) / 1000 / n
+    ms = seconds * 1000 / n
+    return {
+        "ms_per_step": ms,
+        "outside_ms": max(ms - inside, 0.0),
+        "ops": [{"name": e.key, "calls": e.count / n, "self_ms": e.self_cpu_time_total / 1000 / n} for e in ops[:top]],
+    }
+
+
+RECORDING = [False]
+
+
+def record_kernel_calls() -> None:
+    """Each function of the compiled kernel library, wrapped to record its calls as
+    ``kernel::NAME`` ranges while ``RECORDING[0]`` (before the model is built: the layers bind them)."""
+    from torch.profiler import record_function
+
+    from batchgen_kernels import cpu
+
+    if not cpu.available():
+        return
+    lib = cpu.load()
+    for name in cpu.SIGNATURES:
+        fn = getattr(lib, name)
+
+        def recorded(*a, _fn=fn, _label=f"kernel::{name}"):
+            if not RECORDING[0]:
+                return _fn(*a)
+            with record_function(_label):
+                return _fn(*a)
+
+        setattr(lib, name, recorded)
+
+
+def watch_decode_kernel(backend) -> dict:
+    """Wrap the compiled decode attention to time it and count the K/V bytes of each call."""
+    kernel: dict = {"s": 0.0, "bytes": 0, "calls": []}
+    if not isinstance(backend, CpuAttention):
+        return kernel
+    decode = backend._paged_decode
+
+    def timed(q, k_cache, v_cache, tables, context, *rest):
+        t1 = time.perf_counter()
+        out = decode(q, k_cache, v_cache, tables, context, *rest)
+        kernel["s"] += time.perf_counter() - t1
+        per_key = 2 * k_cache.shape[0] * k_cache.shape[-1] * k_cache.element_size()  # K and V
+        kernel["bytes"] += int(context.sum()) * per_key
+        kernel["calls"].append((tables.clone(), context.clone(), k_cache.shape[2], per_key))
+        return out
+
+    backend._paged_decode = timed
+    return kernel
+
+
+def kernel_distinct_bytes(kernel: dict) -> int:
+    """Bytes of the distinct blocks each call read (a shared block once, whole)."""
+    total = 0
+    for tables, context, block_size, per_key in kernel["calls"]:
+        in_context = torch.arange(tables.shape[1]) < ((context + block_size - 1) // block_size)[:, None]
+        total += int(tables[in_context].unique().numel()) * block_size * per_key
+    return total
 
 
 def memcpy_gb_s(size: int = 256 << 20, repeats: int = 10) -> float:

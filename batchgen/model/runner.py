@@ -102,8 +102,8 @@ class ModelRunner:
             if cfg.adapt_threads and self.device.type == "cpu" and self.threads.count > 1
             else None
         )
-        if self.device.type == "cpu":
-            keep_freed_memory()
+        if self.device.type == "cpu":  # a step's largest block: the logits of a full batch
+            keep_freed_memory(cfg.max_num_seqs * (getattr(hf_config, "vocab_size", 0) or 0) * 4)
         self.model = DecoderModel(
             hf_config, cfg.model, self.device, self.dtype, max_model_len, linear_backend=cfg.linear_backend
         )

@@ -173,18 +173,24 @@ inline void store16(uint16_t* p, v16 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)x));
 }
 #else
-// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN
+// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN. Lane-wise on
+// AVX2's halves: a 16-lane select there goes one lane at a time.
 inline v16 round_bf16(v16 x) {
-  u32x16 bits = (u32x16)x;
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const v16 r = (v16)bits;
-  return x != x ? x : r;
+  return lanewise(
+      [](auto v) {
+        typedef decltype(v) V;
+        typedef uint32_t U __attribute__((vector_size(sizeof(V))));
+        U bits = (U)v;
+        bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+        const V r = (V)bits;
+        return v != v ? v : r;
+      },
+      x);
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 inline void store16(uint16_t* p, v16 x) {
   const v16 r = round_bf16(x);
-  const u16x16 h = __builtin_convertvector((u32x16)r >> 16, u16x16);
-  std::memcpy(p, &h, sizeof h);
+  *reinterpret_cast<u16x16*>(p) = __builtin_convertvector((u32x16)r >> 16, u16x16);
 }
 #endif
 
