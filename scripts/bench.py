@@ -662,7 +662,10 @@ def processed_tokens(w: Workload) -> int:
 
 
 def floor_tok_s(w: Workload, gflops: float, mflop: float) -> float:
-    """Generated tokens per second if every processed token cost only its ``mflop`` of matmuls at ``gflops``."""
+    """Generated tokens per second if every processed token cost only its ``mflop`` of matmuls at
+    ``gflops``; 0 where that rate is 0 (a backend that cannot run the dtype here)."""
+    if not gflops:
+        return 0.0
     seconds = processed_tokens(w) * mflop * 1e6 / (gflops * 1e9)
     return useful_tokens(w) / seconds
 

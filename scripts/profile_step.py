@@ -2,13 +2,16 @@
 engine settings (``scripts/bench.py``: S, B, P, D, Z and the rest), measured by the engine's timers
 over every step of the run, with the decode-only steps apart.
 
-    python scripts/profile_step.py [S|B|P|D|Z|...] [--model DIR] [--dtype bfloat16]
+    python scripts/profile_step.py [S|B|P|D|Z|...] [--model DIR] [--dtype bfloat16] [--skeleton]
         [--attention-backend torch] [--torch-profile 8] [--json profile.json]
 
 Parts of a step: the model forward (less its attention: linear layers, norms, rotary, activations),
 attention (KV write and the attention kernels), the LM head, sampling (or the beam step), the rest
 of post-processing (token append, stop checks, forks), scheduler + block manager, input building
 and block copies, output assembly. "Overhead" is everything outside the model forward and LM head.
+Also the minor page faults per decode step (fresh memory the step touched). ``--skeleton`` runs the
+workload on its model cut to width 64 (same layers and vocabulary, one head of 64; built beside the
+model): a step's cost besides its arithmetic, the Python and call overhead that a faster GEMM leaves.
 
 ``--torch-profile N`` also runs N decode-only steps from the middle of the run under
 ``torch.profiler`` and prints the operators with the most self CPU time, the compiled kernels among
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -61,6 +65,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
                     help="also profile N decode-only steps with torch.profiler")
+    ap.add_argument("--skeleton", action="store_true",
+                    help="the workload's model cut to width 64 (its layers and vocabulary, one head of 64): "
+                         "what a step costs besides its arithmetic")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     name = args.workload.upper()
@@ -87,6 +94,8 @@ def main() -> None:
     if not (Path(model) / "config.json").exists():
         print(f"building the bench model in {model} ...", flush=True)
         make(model)
+    if args.skeleton:
+        model = skeleton_of(model)
     vocab = AutoConfig.from_pretrained(model).vocab_size
     w = make_workloads(vocab, [name], vocab_deep=vocab, vocab_z=vocab)[0]
     torch.set_num_threads(args.threads)
@@ -108,6 +117,7 @@ def main() -> None:
     wall = {"all": 0.0, "decode": 0.0}
     steps = {"all": 0, "decode": 0}
     rows = {"all": 0, "decode": 0}
+    faults = {"all": 0, "decode": 0}  # minor page faults: fresh memory touched
     profiled = None
     decode_seen, last_decode = 0, False
     while eng.has_unfinished():
@@ -115,9 +125,11 @@ def main() -> None:
         if args.torch_profile and profiled is None and decode_seen >= 8 and last_decode:
             profiled = run_profiled(eng, args.torch_profile)
             continue
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         eng.step()
         seconds = time.perf_counter() - t0
+        step_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         after = snapshot()
         delta = {k: after[k] - before[k] for k in TIMERS}
         decode = delta["prefill_tokens"] == 0 and delta["decode_tokens"] > 0
@@ -126,11 +138,12 @@ def main() -> None:
             wall[kind] += seconds
             steps[kind] += 1
             rows[kind] += int(delta["decode_tokens"] + delta["prefill_tokens"])
+            faults[kind] += step_faults
             for part, fn in PARTS.items():
                 sums[kind][part] += fn(delta)
     report = {
         "workload": name, "model": model, "dtype": args.dtype, "threads": args.threads,
-        "steps": steps, "wall_s": wall, "tokens": rows,
+        "steps": steps, "wall_s": wall, "tokens": rows, "page_faults": faults,
         "parts_s": sums, "torch_profile": profiled,
     }
     print(f"workload {name} ({model}, {args.dtype}, {args.threads} threads): {steps['all']} steps in {wall['all']:.2f} s, "
@@ -146,6 +159,7 @@ def main() -> None:
         print(f"| {part} | {cells[0]} | {cells[1]} |")
     step_ms = wall["decode"] * 1000 / max(steps["decode"], 1)
     print(f"| whole step | {step_ms:.1f} | {wall['all']:.2f} |")
+    print(f"page faults per decode step: {faults['decode'] / max(steps['decode'], 1):.0f}")
     for kind in ("decode", "all"):
         model_s = sum(sums[kind][p] for p in ("model forward less attention", "attention (KV write, kernels)", "LM head"))
         if wall[kind]:
@@ -166,7 +180,7 @@ def main() -> None:
               f"under the profiler; operators by self CPU time:")
         print("| operator | calls per step | self ms per step | share of the step |")
         print("| --- | --- | --- | --- |")
-        for op in profiled["ops"]:
+        for op in profiled["ops"][:15]:
             print(f"| {op['name']} | {op['calls']:.0f} | {op['self_ms']:.2f} | {op['self_ms'] / profiled['ms_per_step']:.1%} |")
         print(f"| (outside the recorded operators: Python) | | {profiled['outside_ms']:.2f} | "
               f"{profiled['outside_ms'] / profiled['ms_per_step']:.1%} |")
@@ -174,8 +188,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 
-def run_profiled(eng, n: int, top: int = 15) -> dict:
-    """``n`` engine steps under ``torch.profiler``: the operators with the most self CPU time."""
+def run_profiled(eng, n: int) -> dict:
+    """``n`` engine steps under ``torch.profiler``: every operator, most self CPU time first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -192,8 +206,24 @@ def run_profiled(eng, n: int, top: int = 15) -> dict:
     return {
         "ms_per_step": ms,
         "outside_ms": max(ms - inside, 0.0),
-        "ops": [{"name": e.key, "calls": e.count / n, "self_ms": e.self_cpu_time_total / 1000 / n} for e in ops[:top]],
+        "ops": [{"name": e.key, "calls": e.count / n, "self_ms": e.self_cpu_time_total / 1000 / n} for e in ops],
     }
+
+
+def skeleton_of(model: str) -> str:
+    """``model``'s skeleton beside it (built once): a Llama of its layer count, vocabulary,
+    positions and tying, hidden size 64, intermediate 128, one query and one KV head of 64."""
+    from transformers import AutoConfig
+
+    from batchgen.tiny import make_model
+
+    path = f"{model.rstrip('/')}-skeleton"
+    if not (Path(path) / "config.json").exists():
+        c = AutoConfig.from_pretrained(model)
+        make_model(path, "llama", seed=0, vocab_size=c.vocab_size, hidden_size=64, intermediate_size=128,
+                   num_layers=c.num_hidden_layers, num_heads=1, num_kv_heads=1,
+                   max_positions=c.max_position_embeddings, tie_word_embeddings=bool(c.tie_word_embeddings))
+    return path
 
 
 RECORDING = [False]
