@@ -116,7 +116,7 @@ def main() -> None:
     sums = {"all": dict.fromkeys(PARTS, 0.0), "decode": dict.fromkeys(PARTS, 0.0)}
     wall = {"all": 0.0, "decode": 0.0}
     steps = {"all": 0, "decode": 0}
-    rows = {"all": 0, "decode": 0}
+    tokens = {"all": 0, "decode": 0}  # rows computed: one per decode row, a chunk's tokens
     faults = {"all": 0, "decode": 0}  # minor page faults: fresh memory touched
     profiled = None
     decode_seen, last_decode = 0, False
@@ -137,17 +137,17 @@ def main() -> None:
         for kind in ("all", "decode") if decode else ("all",):
             wall[kind] += seconds
             steps[kind] += 1
-            rows[kind] += int(delta["decode_tokens"] + delta["prefill_tokens"])
+            tokens[kind] += int(delta["decode_tokens"] + delta["prefill_tokens"])
             faults[kind] += step_faults
             for part, fn in PARTS.items():
                 sums[kind][part] += fn(delta)
     report = {
         "workload": name, "model": model, "dtype": args.dtype, "threads": args.threads,
-        "steps": steps, "wall_s": wall, "tokens": rows, "page_faults": faults,
+        "steps": steps, "wall_s": wall, "tokens": tokens, "page_faults": faults,
         "parts_s": sums, "torch_profile": profiled,
     }
     print(f"workload {name} ({model}, {args.dtype}, {args.threads} threads): {steps['all']} steps in {wall['all']:.2f} s, "
-          f"{steps['decode']} of them decode-only ({rows['decode'] / max(steps['decode'], 1):.0f} rows each)")
+          f"{steps['decode']} of them decode-only ({tokens['decode'] / max(steps['decode'], 1):.0f} rows each)")
     print("| part | decode step ms (share) | whole run s (share) |")
     print("| --- | --- | --- |")
     for part in [*PARTS, "other (loop, timers)"]:
