@@ -312,6 +312,16 @@ class BlockManager:
         """Make the table cover ``num_computed + num_new`` tokens so that the ``num_new`` tokens
         starting at ``num_computed`` can be written. Returns the copy-on-write pairs, or None (and
         changes nothing) when the pool lacks free blocks."""
+        entry = self.seqs.get(seq_id)
+        if entry is not None and num_new > 0:
+            # The common decode case: the tokens land in blocks the table holds, the first of them
+            # private and unhashed. Nothing to allocate or copy.
+            table, bs = entry.table, self.block_size
+            first = num_computed // bs
+            if num_computed + num_new <= len(table) * bs and first < len(table):
+                block = self.pool.blocks[table[first]]
+                if block.ref_count == 1 and block.block_hash is None:
+                    return []
         if self.blocks_needed(seq_id, num_computed, num_new) > self.pool.num_free:
             return None
         entry = self.seqs.setdefault(seq_id, _SeqBlocks([], []))
@@ -421,6 +431,8 @@ class BlockManager:
         if entry is None:
             return
         num_full = min(num_computed // self.block_size, len(entry.table))
+        if len(entry.hashes) >= num_full:  # no block filled since the last call
+            return
         parent = entry.hashes[-1] if entry.hashes else None
         for i, h, chunk in self._chain(token_ids, parent, len(entry.hashes), num_full, extra_key):
             entry.hashes.append(h)

@@ -118,6 +118,7 @@ class DecoderModel:
         self.act = ACTIVATIONS[act_name]
         self._max_positions = max_positions
         self._rotaries: dict[str | None, Rotary] = {}
+        self._layer_caches: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.linears: list = []  # every projection, expert and router, and the LM head (Linear or quantized)
         self._backends = backends_for(linear_backend, device, dtype)
         self._strict = linear_backend in ("cpu", "onednn")
@@ -369,6 +370,12 @@ class DecoderModel:
         residual stream and the norm of the next sublayer's input, in one pass where it can."""
         return add_rms_norm(delta, residual, weight, self.eps, self.family.norm_offset)
 
+    def _caches_of(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V cache views of ``kv_cache``, made once for the cache a runner keeps."""
+        if self._layer_caches is None or self._layer_caches[0] is not kv_cache:
+            self._layer_caches = (kv_cache, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])])
+        return self._layer_caches[1]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -387,6 +394,7 @@ class DecoderModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = {id(r): r(positions, rope_lengths) for r in self._rotaries.values()}
+        caches = self._caches_of(kv_cache)
         t = x.shape[0]
         residual, delta = x, None  # the residual stream is residual + delta once a layer has run
         for i, lw in enumerate(self.layers):
@@ -411,7 +419,8 @@ class DecoderModel:
             else:  # q and k side by side in qkv: rotate both in one pass
                 qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
                 q, k = qk[:, :h], qk[:, h:]
-            o = backend.forward(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, lw.attn)
+            k_cache, v_cache = caches[i]
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, lw.attn)
             o = o.reshape(t, h * d)
             attn = lw.o_proj(o)
             if lora is not None:

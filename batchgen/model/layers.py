@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -16,15 +17,20 @@ FUSED_CPU_OPS = True
 
 def fused_cpu_ops(*tensors: torch.Tensor, kernel: str) -> ModuleType | None:
     """``batchgen_kernels.cpu_ops`` where its compiled ``kernel`` takes these tensors (and is switched on)."""
-    if not FUSED_CPU_OPS or tensors[0].device.type != "cpu":
+    if not FUSED_CPU_OPS or not tensors[0].is_cpu:
         return None
+    ops, library_kernels = _cpu_ops()
+    if kernel in library_kernels():
+        return None
+    return ops if ops.takes(*tensors) else None
+
+
+@functools.cache  # imported on first use: the kernels package builds its library then
+def _cpu_ops() -> tuple[ModuleType, Callable[[], frozenset[str]]]:
     from batchgen_kernels import cpu_ops  # noqa: PLC0415
     from batchgen_kernels.cpu import library_kernels  # noqa: PLC0415
 
-    if kernel in library_kernels():
-        return None
-
-    return cpu_ops if cpu_ops.takes(*tensors) else None
+    return cpu_ops, library_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -149,6 +149,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         large = self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]
         if self.kernel is not None and not large:
+            if x.dim() == 2:  # the decoder's [tokens, width]
+                return self.kernel(x)
             out = self.kernel(x.reshape(-1, x.shape[-1]))
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed is not None:
@@ -166,6 +168,8 @@ class Linear:
         (it packed the layer gated); None otherwise (the caller applies its activation)."""
         if self.kernel is None or not self.kernel.gated:
             return None
+        if x.dim() == 2:
+            return self.kernel.silu_mul(x)
         out = self.kernel.silu_mul(x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -174,6 +178,8 @@ class Linear:
         logits), in one pass where the kernel runs it."""
         if self.kernel is None:
             return self(x).float()
+        if x.dim() == 2:
+            return self.kernel(x, widened=True)
         out = self.kernel(x.reshape(-1, x.shape[-1]), widened=True)
         return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -25,6 +25,21 @@ def expect(
 ) -> None:
     """``t`` (argument ``name`` of ``kernel``) is a CPU tensor of ``dtype`` (one of them), of
     ``shape`` (None: any size on that axis) and, where ``contiguous``, contiguous."""
+    # The common case first, in as few operations as can tell (a call per kernel argument, every
+    # layer of every step); the messages below only where something is wrong.
+    if isinstance(t, torch.Tensor) and t.is_cpu:
+        ok = dtype is None or t.dtype is dtype or (isinstance(dtype, tuple) and t.dtype in dtype)
+        if ok and shape is not None:
+            got = t.shape
+            if len(got) != len(shape):
+                ok = False
+            else:
+                for s, n in zip(shape, got, strict=True):
+                    if s is not None and s != n:
+                        ok = False
+                        break
+        if ok and (not contiguous or t.is_contiguous()):
+            return
     if not isinstance(t, torch.Tensor):
         raise KernelArgumentError(f"{kernel}: {name} must be a tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -41,3 +56,12 @@ def expect(
         raise KernelArgumentError(f"{kernel}: {name} must have shape {want}, got {list(t.shape)}")
     if contiguous and not t.is_contiguous():
         raise KernelArgumentError(f"{kernel}: {name} must be contiguous (strides {t.stride()})")
+
+
+def same_cpu(dtype: torch.dtype, *tensors: object) -> bool:
+    """Whether every one of ``tensors`` is a CPU tensor of ``dtype``: the wrappers' common case
+    checked in one go, before ``expect`` says which argument is wrong."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or not t.is_cpu:
+            return False
+    return True

@@ -125,6 +125,48 @@ def test_a_tensor_on_another_device_is_refused():
         cpu_ops.rms_norm(x, torch.ones(8), 1e-6)
 
 
+def _kv(**change):
+    args = {
+        "k": torch.zeros(3, 2, 8),
+        "v": torch.zeros(3, 2, 8),
+        "k_cache": torch.zeros(2, 4, 16, 8),
+        "v_cache": torch.zeros(2, 4, 16, 8),
+        "slots": torch.zeros(3, dtype=torch.int64),
+    }
+    return {**args, **change}
+
+
+META = torch.zeros(2, 8, device="meta")
+# The hot wrappers check their common case in one go and only then argument by argument: each
+# argument that is wrong on its own is still refused by name.
+FAST_CHECKED = [
+    (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), META, torch.ones(8), 1e-6), "add_rms_norm: residual must be on the CPU"),
+    (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(7), 1e-6), "add_rms_norm: weight must have shape [8]"),
+    (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6), "add_rms_norm: residual must have shape [2, 8]"),
+    (lambda: cpu_ops.add_rms_norm([0.0], torch.zeros(2, 8), torch.ones(8), 1e-6), "add_rms_norm: x must be a tensor"),
+    (lambda: cpu_ops.rotary(torch.zeros(3, 2, 8), torch.zeros(3, 8), torch.zeros(3, 8, device="meta")), "rotary: sin must be on the CPU"),
+    (lambda: cpu_ops.rotary(torch.zeros(3, 2, 8), torch.zeros(3, 8), torch.zeros(3, 8, dtype=bf16)), "rotary: sin must be float32"),
+    (lambda: cpu_ops.rotary(torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3, 8)), "rotary: x must have shape [*, *, *]"),
+    (lambda: cpu_ops.kv_write(**_kv(v=torch.zeros(3, 2, 8, device="meta"))), "kv_write: v must be on the CPU"),
+    (lambda: cpu_ops.kv_write(**_kv(k_cache=torch.zeros(2, 4, 16, 9))), "kv_write: k_cache must have shape [2, *, *, 8]"),
+    (lambda: cpu_ops.kv_write(**_kv(v_cache=torch.zeros(2, 16, 4, 8).transpose(1, 2))), "kv_write: v_cache must be contiguous"),
+    (lambda: cpu_ops.kv_write(**_kv(slots=torch.zeros(2, dtype=torch.int64))), "kv_write: slots must have shape [3]"),
+    (lambda: cpu_attention.paged_decode(**decode_args(v_cache=torch.zeros(2, 8, 16, 64, device="meta"))), "paged_decode: v_cache must be on the CPU"),
+    (lambda: cpu_attention.paged_decode(**decode_args(out=torch.zeros(2, 4, 64, dtype=bf16))), "paged_decode: out must be float32"),
+    (lambda: cpu_attention.paged_decode(**decode_args(out=torch.zeros(2, 64, 4).transpose(1, 2))), "paged_decode: out must be contiguous"),
+    (lambda: cpu_attention.paged_decode(**decode_args(tables=torch.zeros(3, 3, dtype=torch.int64))), "paged_decode: tables must have shape [2, *]"),
+    (lambda: packed(torch.zeros(32, 16))(torch.zeros(3, 16, device="meta")), "gemm: x must be on the CPU"),
+    (lambda: packed(torch.zeros(32, 16))(torch.zeros(16)), "gemm: x must have shape [*, 16], got [16]"),
+]
+
+
+@pytest.mark.parametrize("call, message", FAST_CHECKED, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in enumerate(FAST_CHECKED)])
+def test_a_wrong_argument_past_a_fast_check_is_refused_by_name(call, message):
+    with pytest.raises(KernelArgumentError) as e:
+        call()
+    assert str(e.value).startswith(message), str(e.value)
+
+
 @pytest.mark.skipif(os.environ.get("BATCHGEN_KERNEL_DEBUG") != "1", reason="needs the debug build (.ci/run)")
 def test_a_debug_build_aborts_naming_the_failed_precondition():
     code = "from batchgen_kernels import cpu\ncpu.load().rms_norm_f32(None, None, 2, 0, 1e-6, None, 1)\n"
