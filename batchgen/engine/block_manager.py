@@ -319,8 +319,7 @@ class BlockManager:
             table, bs = entry.table, self.block_size
             first = num_computed // bs
             if num_computed + num_new <= len(table) * bs and first < len(table):
-                block = self.pool.blocks[table[first]]
-                if block.ref_count == 1 and block.block_hash is None:
+                if self._writable(self.pool.blocks[table[first]]):
                     return []
         if self.blocks_needed(seq_id, num_computed, num_new) > self.pool.num_free:
             return None

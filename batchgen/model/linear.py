@@ -23,6 +23,8 @@ takes the next backend. On other devices nothing is packed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -149,10 +151,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         large = self._large_to_torch and x.numel() >= _TORCH_FROM_ROWS * x.shape[-1]
         if self.kernel is not None and not large:
-            if x.dim() == 2:  # the decoder's [tokens, width]
-                return self.kernel(x)
-            out = self.kernel(x.reshape(-1, x.shape[-1]))
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return _over_rows(self.kernel, x)
         if self.packed is not None:
             lead = x.shape[:-1]
             x = x.reshape(-1, x.shape[-1])
@@ -168,20 +167,14 @@ class Linear:
         (it packed the layer gated); None otherwise (the caller applies its activation)."""
         if self.kernel is None or not self.kernel.gated:
             return None
-        if x.dim() == 2:
-            return self.kernel.silu_mul(x)
-        out = self.kernel.silu_mul(x.reshape(-1, x.shape[-1]))
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return _over_rows(self.kernel.silu_mul, x)
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()``: the output rounded to the weight's dtype, as float32 (the LM head's
         logits), in one pass where the kernel runs it."""
         if self.kernel is None:
             return self(x).float()
-        if x.dim() == 2:
-            return self.kernel(x, widened=True)
-        out = self.kernel(x.reshape(-1, x.shape[-1]), widened=True)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return _over_rows(partial(self.kernel, widened=True), x)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -190,6 +183,14 @@ class Linear:
             x = F.pad(x, (0, 0, 0, pad))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y[:m] if pad else y
+
+
+def _over_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` of the kernel, which takes rows [m, k], on ``x`` [..., k] (2-D as it comes)."""
+    if x.dim() == 2:
+        return fn(x)
+    out = fn(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _agrees(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:

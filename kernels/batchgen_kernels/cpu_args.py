@@ -27,19 +27,14 @@ def expect(
     ``shape`` (None: any size on that axis) and, where ``contiguous``, contiguous."""
     # The common case first, in as few operations as can tell (a call per kernel argument, every
     # layer of every step); the messages below only where something is wrong.
-    if isinstance(t, torch.Tensor) and t.is_cpu:
-        ok = dtype is None or t.dtype is dtype or (isinstance(dtype, tuple) and t.dtype in dtype)
-        if ok and shape is not None:
-            got = t.shape
-            if len(got) != len(shape):
-                ok = False
-            else:
-                for s, n in zip(shape, got, strict=True):
-                    if s is not None and s != n:
-                        ok = False
-                        break
-        if ok and (not contiguous or t.is_contiguous()):
-            return
+    if (
+        isinstance(t, torch.Tensor)
+        and t.is_cpu
+        and (dtype is None or t.dtype is dtype or (isinstance(dtype, tuple) and t.dtype in dtype))
+        and (shape is None or _fits(t.shape, shape))
+        and (not contiguous or t.is_contiguous())
+    ):
+        return
     if not isinstance(t, torch.Tensor):
         raise KernelArgumentError(f"{kernel}: {name} must be a tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -49,13 +44,21 @@ def expect(
         if t.dtype not in allowed:
             want = " or ".join(str(d).removeprefix("torch.") for d in allowed)
             raise KernelArgumentError(f"{kernel}: {name} must be {want}, got {str(t.dtype).removeprefix('torch.')}")
-    if shape is not None and (
-        t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape, strict=True))
-    ):
+    if shape is not None and not _fits(t.shape, shape):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise KernelArgumentError(f"{kernel}: {name} must have shape {want}, got {list(t.shape)}")
     if contiguous and not t.is_contiguous():
         raise KernelArgumentError(f"{kernel}: {name} must be contiguous (strides {t.stride()})")
+
+
+def _fits(got: tuple[int, ...], shape: tuple[int | None, ...]) -> bool:
+    """Whether sizes ``got`` match ``shape`` (None: any size on that axis)."""
+    if len(got) != len(shape):
+        return False
+    for want, n in zip(shape, got, strict=True):
+        if want is not None and want != n:
+            return False
+    return True
 
 
 def same_cpu(dtype: torch.dtype, *tensors: object) -> bool:
