@@ -60,11 +60,3 @@ def _fits(got: tuple[int, ...], shape: tuple[int | None, ...]) -> bool:
             return False
     return True
 
-
-def same_cpu(dtype: torch.dtype, *tensors: object) -> bool:
-    """Whether every one of ``tensors`` is a CPU tensor of ``dtype``: the wrappers' common case
-    checked in one go, before ``expect`` says which argument is wrong."""
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or not t.is_cpu:
-            return False
-    return True

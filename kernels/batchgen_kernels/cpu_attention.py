@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 
 from batchgen_kernels.cpu import KernelUnavailable, load
-from batchgen_kernels.cpu_args import KernelArgumentError, expect, same_cpu
+from batchgen_kernels.cpu_args import KernelArgumentError, expect
 
 __all__ = [
     "KernelUnavailable",
@@ -88,33 +88,17 @@ def paged_decode(
     per-row pass was as fast or faster), ``share="always"`` wherever two or more rows share."""
     if share not in (True, False, "always"):
         raise ValueError(f"paged_decode: share must be True, False or 'always', not {share!r}")
-    if not (
-        isinstance(q, torch.Tensor)
-        and q.dtype in _DTYPES
-        and q.dim() == 3
-        and same_cpu(q.dtype, q, k_cache, v_cache)
-        and same_cpu(torch.int64, tables, context_lens)
-        and k_cache.dim() == 4
-        and k_cache.shape[3] == q.shape[2]
-        and v_cache.shape == k_cache.shape
-        and tables.dim() == 2
-        and tables.shape[0] == q.shape[0]
-        and context_lens.shape == q.shape[:1]
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and (out is None or (same_cpu(q.dtype, out) and out.shape == q.shape and out.is_contiguous()))
-    ):
-        expect("paged_decode", "q", q, (torch.float32, torch.bfloat16), (None, None, None))
-        expect("paged_decode", "k_cache", k_cache, q.dtype, (None, None, None, q.shape[2]), contiguous=True)
-        expect("paged_decode", "v_cache", v_cache, q.dtype, tuple(k_cache.shape), contiguous=True)
-        expect("paged_decode", "tables", tables, torch.int64, (q.shape[0], None))
-        expect("paged_decode", "context_lens", context_lens, torch.int64, (q.shape[0],))
-        if out is not None:
-            expect("paged_decode", "out", out, q.dtype, tuple(q.shape), contiguous=True)
+    expect("paged_decode", "q", q, (torch.float32, torch.bfloat16), (None, None, None))
     rows, heads, dim = q.shape
+    expect("paged_decode", "k_cache", k_cache, q.dtype, (None, None, None, dim), contiguous=True)
     kvh, num_blocks, block_size, _ = k_cache.shape
+    expect("paged_decode", "v_cache", v_cache, q.dtype, tuple(k_cache.shape), contiguous=True)
+    expect("paged_decode", "tables", tables, torch.int64, (rows, None))
+    expect("paged_decode", "context_lens", context_lens, torch.int64, (rows,))
     if sinks is not None:
         expect("paged_decode", "sinks", sinks, shape=(heads,))
+    if out is not None:
+        expect("paged_decode", "out", out, q.dtype, tuple(q.shape), contiguous=True)
     name = _DTYPES[k_cache.dtype]
     if k_cache.dtype == torch.bfloat16 and not bf16_dot:
         name = "paged_decode_bf16_widened"

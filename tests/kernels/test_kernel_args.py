@@ -137,9 +137,9 @@ def _kv(**change):
 
 
 META = torch.zeros(2, 8, device="meta")
-# The hot wrappers check their common case in one go and only then argument by argument: each
-# argument that is wrong on its own is still refused by name.
-FAST_CHECKED = [
+# The hot wrappers' arguments, each wrong on its own (device, dtype, shape, layout, type): expect's
+# common-case test must let none of them through.
+HOT_ARGUMENTS = [
     (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), META, torch.ones(8), 1e-6), "add_rms_norm: residual must be on the CPU"),
     (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(7), 1e-6), "add_rms_norm: weight must have shape [8]"),
     (lambda: cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6), "add_rms_norm: residual must have shape [2, 8]"),
@@ -160,8 +160,8 @@ FAST_CHECKED = [
 ]
 
 
-@pytest.mark.parametrize("call, message", FAST_CHECKED, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in enumerate(FAST_CHECKED)])
-def test_a_wrong_argument_past_a_fast_check_is_refused_by_name(call, message):
+@pytest.mark.parametrize("call, message", HOT_ARGUMENTS, ids=[m.split(":")[0] + "-" + str(i) for i, (_, m) in enumerate(HOT_ARGUMENTS)])
+def test_each_hot_argument_wrong_on_its_own_is_refused_by_name(call, message):
     with pytest.raises(KernelArgumentError) as e:
         call()
     assert str(e.value).startswith(message), str(e.value)
