@@ -42,14 +42,13 @@ def cmd_job(args: argparse.Namespace) -> int:
     """Exit codes: 0 done, 1 the run failed (output not writable, input changed under it),
     2 refused before any work (config errors, another config's output, a directory in use),
     128 + signal number when SIGTERM / SIGINT stopped it (finished rows saved)."""
-    from batchgen.job.config import ConfigError, load_job_config
+    from batchgen.job.config import ConfigError
     from batchgen.job.lifecycle import JobIncomplete, JobInterrupted, JobRefused
     from batchgen.job.local_replicas import ReplicaJobRunner, machine_plan
-    from batchgen.job.lock import OutputLocked
+    from batchgen.job.preflight import load_job_config
     from batchgen.job.runner import JobRunner
-    from batchgen.job.sink import OutputWriteError
     from batchgen.job.source import InputChanged
-    from batchgen.job.store import OutputUnavailable
+    from batchgen.job.store import OutputLocked, OutputUnavailable, OutputWriteError
     from batchgen.storage import StorageError
 
     try:
@@ -153,7 +152,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = Path(args.config)
     if not config.exists():
         config = Path(__file__).resolve().parent.parent / "jobs" / "demo.yaml"
-    from batchgen.job.config import load_job_config
+    from batchgen.job.preflight import load_job_config
 
     out_dir = Path(load_job_config(str(config), args.set).output.path)
     if out_dir.exists():  # the demo always starts fresh

@@ -12,10 +12,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from batchgen.outputs import FinishReason
-from batchgen.params import BeamSearchParams, SamplingParams, ScoreParams
+from batchgen.params import RequestParams
 
 
 class SeqStatus(enum.Enum):
@@ -26,11 +26,12 @@ class SeqStatus(enum.Enum):
 
 
 _seq_ids = itertools.count()
+P = TypeVar("P", bound=RequestParams)
 
 
 @dataclass(eq=False)
 class Sequence:
-    group: SequenceGroup
+    group: SequenceGroup[Any]
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -87,7 +88,7 @@ def is_long_rope(cache_key: object) -> bool:
 
 
 @dataclass(eq=False)
-class SequenceGroup:
+class SequenceGroup(Generic[P]):
     """One request. ``seqs`` starts with one sequence holding the prompt; a sampling request with
     ``n > 1`` forks it into n after the prompt's prefill, a beam request keeps ``beam_width`` beams.
     ``cache_key`` is mixed into block hashes: None shares prefixes across requests, a per-request
@@ -95,13 +96,13 @@ class SequenceGroup:
     """
 
     request_id: str
-    params: SamplingParams | BeamSearchParams | ScoreParams
+    params: P  # its kind's parameters (``engine/kinds``)
     prompt: str | None
     prompt_token_ids: list[int]
     cache_key: object = None
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
-    beam: Any = None  # BeamState for beam search requests
+    beam: Any = None  # the beam search state of a beam search request (``kinds/beam.py``)
     error: str | None = None  # set when the engine gave up on the request (it is then finished)
     prompt_logprobs: list[Any] | None = None  # per prompt position, when the request asked for them
     lora_request: Any = None  # the request's LoRARequest (None: the base model)
@@ -109,14 +110,6 @@ class SequenceGroup:
     @property
     def lora_id(self) -> int:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
-
-    @property
-    def is_beam(self) -> bool:
-        return isinstance(self.params, BeamSearchParams)
-
-    @property
-    def is_score(self) -> bool:
-        return isinstance(self.params, ScoreParams)
 
     @property
     def max_seqs(self) -> int:

@@ -4,7 +4,6 @@ Every problem is collected into one ``ConfigError`` message (the CLI exits with 
 from __future__ import annotations
 
 import difflib
-import glob
 import hashlib
 import json
 import os
@@ -19,9 +18,7 @@ import yaml
 from batchgen import storage
 from batchgen.config import EngineConfig
 from batchgen.job.sink import generation_fields, score_fields
-from batchgen.job.source import check_readable, column_names, schema_of
-from batchgen.model.hub import is_hub_id, local_dir, snapshot_revision
-from batchgen.model.loader import tokenizer_problem
+from batchgen.model.hub import local_dir, snapshot_revision
 from batchgen.params import BeamSearchParams, LoRARequest, SamplingParams, ScoreParams
 
 INPUT_FORMATS = ("auto", "parquet", "arrow", "jsonl", "hf", "openai")
@@ -362,21 +359,8 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
     return index, count
 
 
-def input_files(path: str) -> list[str]:
-    """The input's files: a glob's matches, or the path (a directory is read whole). A URI lists
-    its objects: the one it names, every object under a prefix, or a glob's matches."""
-    if storage.is_uri(path):
-        return storage.expand(path)
-    path = storage.local_path(path)
-    if any(c in path for c in "*?["):
-        return sorted(glob.glob(path, recursive=True))
-    p = Path(path)
-    if p.is_dir():
-        return [str(p)]
-    return [str(p)] if p.exists() else []
-
-
-def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> JobConfig:
+def parse_config_file(path: str | os.PathLike, sets: list[str] | None = None) -> dict[str, Any]:
+    """The config file's mapping, with ``--set`` overrides applied."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
@@ -386,48 +370,26 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
         raise ConfigError(f"cannot parse {str(p)!r}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{str(p)!r}: the top level must be a mapping")
-    data = apply_overrides(data, sets or [])
-    return validate(data, source_file=str(p))
-
-
-def _not_a_directory(path: str) -> str | None:
-    """The output path itself, or the nearest existing folder above it, when that is a file."""
-    if storage.is_uri(path):
-        return None
-    p = Path(storage.local_path(path))
-    for candidate in (p, *p.parents):
-        if candidate.exists():
-            return None if candidate.is_dir() else repr(str(candidate))
-    return None
+    return apply_overrides(data, sets or [])
 
 
 def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
-    """The whole config checked before any model loads; every problem is listed in one ``ConfigError``."""
+    """The config's schema and rules, every problem listed in one ``ConfigError``. It reads no file
+    and no network and sets nothing: what must touch the world (the model resolves, the input is
+    there with its columns, the output can be written) is ``job.preflight.check_world``'s."""
     problems: list[str] = []
     top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora", "task", "storage"}
     for key in data:
         if key not in top:
             problems.append(f"{key}: unknown top-level key (allowed: {', '.join(sorted(top))})")
     model = data.get("model")
-    engine_raw: dict[str, Any] = data["engine"] if isinstance(data.get("engine"), dict) else {}
-    model_dir = None
     if not isinstance(model, str) or not model:
         problems.append("model: required, a local Hugging Face model directory or a hub id (org/name)")
-    else:
-        try:
-            model_dir = local_dir(model, engine_raw.get("revision"), "model", engine_raw.get("download_dir"))
-        except ValueError as e:
-            if Path(model).is_dir():
-                problems.append(f"model: {e}")
-            else:  # a path that is not there, and maybe an id that is not cached: both said
-                missing = f"model: directory {model!r} does not exist{_relative_note(model)}"
-                problems.append(f"{missing}; as a hub id, {e}" if is_hub_id(model) else missing)
     store_opts = _section(storage.StorageOptions, data.get("storage"), "storage", problems) or storage.StorageOptions()
     try:
         store_opts.check()
     except ValueError as e:
         problems.append(str(e))
-    storage.use(store_opts)  # the input's and the output's object stores are checked with them below
     inp = _section(InputConfig, data.get("input"), "input", problems) if data.get("input") else None
     if data.get("input") is None:
         problems.append(
@@ -445,44 +407,69 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append(f"task: must be one of {', '.join(TASKS)}, got {task!r}")
         task = "generate"
     gen = _mapping(data, "generation", problems, lambda v: _check_generation(v, task))
-    if gen.get("thinking_token_budget") is not None and not (
-        gen.get("reasoning_parser") or engine_raw.get("reasoning_parser")
-    ):
+    if gen.get("thinking_token_budget") is not None and not (gen.get("reasoning_parser") or engine.get("reasoning_parser")):
         problems.append("generation.thinking_token_budget: needs generation.reasoning_parser (the end tag to force)")
     if inp is not None:
-        _check_input(inp, problems)
-        if task == "score" and not inp.continuation_column:
-            problems.append("input.continuation_column: required with task: score (each row's continuation or list of them)")
-        if task != "score" and inp.continuation_column:
-            problems.append("input.continuation_column: only a scoring job reads it; set task: score")
-        if inp.lora_column and not lora.adapters:
-            problems.append("input.lora_column: needs adapters to name (lora.adapters: {NAME: PATH})")
-    if model_dir is not None:
-        tok_dir = engine_raw.get("tokenizer")
-        if tok_dir is not None:
-            try:
-                tok_dir = local_dir(tok_dir, engine_raw.get("tokenizer_revision"), "tokenizer", engine_raw.get("download_dir"))
-            except ValueError as e:
-                problems.append(f"engine.tokenizer: {e}")
-                tok_dir = None
-        problem = tokenizer_problem(tok_dir or model_dir)
-        if problem is not None:
-            problems.append(f"{'engine.tokenizer' if tok_dir else 'model'}: {problem}")
+        _check_input(inp, task, lora, problems)
     if task == "score" and inp is not None and out is not None and "openai" in (inp.format, out.format):
         problems.append("task: score reads and writes Parquet, Arrow, JSON Lines or datasets; the OpenAI batch format has no scoring")
     if out is not None:
-        blocker = _not_a_directory(out.path)
-        store_problem = _output_store_problem(out.path)
-        if store_problem is not None:
-            problems.append(f"output.path: {store_problem}")
-        elif blocker is not None:
-            problems.append(f"output.path: {blocker} is not a directory{_relative_note(out.path)}")
-        if out.format not in OUTPUT_FORMATS:
-            problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
-        if out.rows_per_shard < 1:
-            problems.append("output.rows_per_shard: must be >= 1")
-        if not out.max_shard_mb > 0:
-            problems.append("output.max_shard_mb: must be > 0")
+        _check_output(out, problems)
+    _check_run(run, ray, problems)
+    if problems:
+        raise ConfigError(
+            "invalid job config"
+            + (f" {source_file!r}" if source_file else "")
+            + ":\n  - "
+            + "\n  - ".join(problems)
+        )
+    assert isinstance(model, str) and inp is not None and out is not None  # else a problem was listed
+    return JobConfig(
+        model=model,
+        input=inp,
+        output=out,
+        generation=gen,
+        engine=engine,
+        run=run,
+        ray=ray,
+        lora=lora,
+        task=task,
+        source_file=source_file,
+        storage=store_opts,
+    )
+
+
+def _check_input(inp: InputConfig, task: str, lora: LoRAConfig, problems: list[str]) -> None:
+    """``input``'s values and how they fit the task (its data: ``preflight``)."""
+    if inp.format not in INPUT_FORMATS:
+        problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
+    if inp.batch_rows < 1:
+        problems.append("input.batch_rows: must be >= 1")
+    if task == "score" and not inp.continuation_column:
+        problems.append("input.continuation_column: required with task: score (each row's continuation or list of them)")
+    if task != "score" and inp.continuation_column:
+        problems.append("input.continuation_column: only a scoring job reads it; set task: score")
+    if inp.lora_column and not lora.adapters:
+        problems.append("input.lora_column: needs adapters to name (lora.adapters: {NAME: PATH})")
+
+
+def _check_output(out: OutputConfig, problems: list[str]) -> None:
+    s = storage.scheme(out.path)
+    if s is not None and s not in storage.OUTPUT_SCHEMES:
+        problems.append(
+            f"output.path: {storage.redact(out.path)!r}: a job writes to a local directory or s3:// (any "
+            f"S3-compatible store); {s}:// can be read (input.path) but not written"
+        )
+    if out.format not in OUTPUT_FORMATS:
+        problems.append(f"output.format: must be one of {', '.join(OUTPUT_FORMATS)}, got {out.format!r}")
+    if out.rows_per_shard < 1:
+        problems.append("output.rows_per_shard: must be >= 1")
+    if not out.max_shard_mb > 0:
+        problems.append("output.max_shard_mb: must be > 0")
+
+
+def _check_run(run: RunConfig, ray: RayConfig, problems: list[str]) -> None:
+    """``run`` and ``ray``: limits, the worker layout and the executor."""
     for key in ("max_rows_in_flight", "lookahead_rows"):
         value = getattr(run, key)
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -510,27 +497,6 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
         problems.append("ray.num_replicas and ray.batch_rows: must be >= 1")
     if ray.cpus_per_replica <= 0 or ray.gpus_per_replica < 0:
         problems.append("ray.cpus_per_replica: must be > 0; ray.gpus_per_replica: must be >= 0")
-    if problems:
-        raise ConfigError(
-            "invalid job config"
-            + (f" {source_file!r}" if source_file else "")
-            + ":\n  - "
-            + "\n  - ".join(problems)
-        )
-    assert isinstance(model, str) and inp is not None and out is not None  # else a problem was listed
-    return JobConfig(
-        model=model,
-        input=inp,
-        output=out,
-        generation=gen,
-        engine=engine,
-        run=run,
-        ray=ray,
-        lora=lora,
-        task=task,
-        source_file=source_file,
-        storage=store_opts,
-    )
 
 
 def _check_generation(values: dict[str, Any], task: str) -> None:
@@ -565,29 +531,11 @@ def _lora_section(raw: Any, problems: list[str]) -> LoRAConfig:
     if not isinstance(adapters, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items()):
         problems.append("lora.adapters: must map adapter names to adapter directories ({NAME: PATH})")
         return LoRAConfig()
-    for name, path in adapters.items():
-        try:
-            where = local_dir(path, None, f"lora.adapters.{name}")
-        except ValueError as e:
-            problems.append(f"{e}{_relative_note(path)}")
-            continue
-        if not (Path(where) / "adapter_config.json").is_file():
-            problems.append(
-                f"lora.adapters.{name}: {path!r} is not a PEFT adapter directory (no adapter_config.json)"
-                + _relative_note(path)
-            )
     for key in ("max_loras", "max_lora_rank"):
         value = getattr(section, key)
         if value is not None and value < 1:
             problems.append(f"lora.{key}: must be an integer >= 1 or null, got {value!r}")
     return section
-
-
-def _relative_note(path: str) -> str:
-    """Relative paths in a config are read from the working directory, not the config's folder."""
-    if storage.is_uri(path) or Path(path).is_absolute():
-        return ""
-    return f" (relative paths are read from the working directory, {os.getcwd()})"
 
 
 def _mapping(data: dict[str, Any], name: str, problems: list[str], check: Callable[[dict], object]) -> dict:
@@ -601,130 +549,3 @@ def _mapping(data: dict[str, Any], name: str, problems: list[str], check: Callab
     except (ValueError, TypeError) as e:
         problems.append(f"{name}: {e}")
     return value
-
-
-def _check_input(inp: InputConfig, problems: list[str]) -> None:
-    """The input exists, its format is known, and the configured columns are in the data."""
-    if inp.format not in INPUT_FORMATS:
-        problems.append(f"input.format: must be one of {', '.join(INPUT_FORMATS)}, got {inp.format!r}")
-    if inp.batch_rows < 1:
-        problems.append("input.batch_rows: must be >= 1")
-    try:
-        files = input_files(inp.path)
-    except storage.StorageError as e:
-        problems.append(f"input.path: {e}")
-        return
-    if not files:
-        problems.append(f"input.path: nothing found at {storage.redact(inp.path)!r}{_relative_note(inp.path)}")
-    fmt = detect_format(inp, files) if files and inp.format in INPUT_FORMATS else inp.format
-    if fmt == "openai":
-        return
-    if bool(inp.prompt_column) == bool(inp.messages_column):
-        problems.append("input: set exactly one of prompt_column or messages_column")
-        return
-    if not files:
-        return
-    try:
-        names = column_names(files, fmt)
-        check_readable(files, fmt)
-    except storage.StorageError as e:
-        problems.append(f"input.path: {e}")
-        return
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"input.path: cannot read {storage.redact(inp.path)!r} as {fmt}: {storage.redact(str(e))}")
-        return
-    if names is None:
-        return
-    if not names:
-        problems.append(f"input.path: {inp.path!r} holds no rows (the input is empty)")
-        return
-    for key in ("prompt_column", "messages_column", "id_column", "params_column", "lora_column", "continuation_column"):
-        col = getattr(inp, key)
-        if col and col not in names:
-            problems.append(f"input.{key}: column {col!r} is not in the data (columns: {', '.join(names)})")
-    # a column's type decides for every row of a typed format; JSON Lines type their values per row
-    schema = schema_of(files, fmt) if fmt != "jsonl" else None
-    if inp.prompt_column and schema is not None and inp.prompt_column in schema.names:
-        typ = schema.field(inp.prompt_column).type
-        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
-            problems.append(f"input.prompt_column: column {inp.prompt_column!r} holds {typ}, not text")
-
-
-def detect_format(inp: InputConfig, files: list[str]) -> str:
-    if inp.format != "auto":
-        return inp.format
-    if storage.is_uri(files[0]):
-        return _detect_remote(files)
-    first = Path(files[0])
-    if first.is_dir():
-        if (
-            (first / "dataset_info.json").exists()
-            or (first / "state.json").exists()
-            or (first / "dataset_dict.json").exists()
-        ):
-            return "hf"
-        inner = sorted(first.rglob("*"))
-        suffixes = {p.suffix for p in inner if p.is_file()}
-        if ".parquet" in suffixes:
-            return "parquet"
-        if suffixes & {".arrow", ".feather", ".ipc"}:
-            return "arrow"
-        if suffixes & {".jsonl", ".json"}:
-            return "jsonl"
-        return "parquet"
-    suffix = first.suffix.lower()
-    if suffix == ".parquet":
-        return "parquet"
-    if suffix in (".arrow", ".feather", ".ipc"):
-        return "arrow"
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(first, encoding="utf-8", errors="replace") as f:
-            return _jsonl_kind(f.readline())
-    return "parquet"
-
-
-def _jsonl_kind(first_line: str) -> str:
-    """``openai`` when a JSON Lines file's first line is a batch request (``custom_id`` + ``body``)."""
-    try:
-        obj = json.loads(first_line) if first_line.strip() else {}
-    except ValueError:
-        obj = {}
-    return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
-
-
-def _detect_remote(files: list[str]) -> str:
-    """The format of an input in object storage, from its objects' names (and a JSONL's first line)."""
-    names = [f.rsplit("/", 1)[-1] for f in files]
-    if any(n in ("dataset_info.json", "state.json", "dataset_dict.json") for n in names):
-        return "hf"
-    suffixes = {os.path.splitext(n)[1].lower() for n in names}
-    if ".parquet" in suffixes:
-        return "parquet"
-    if suffixes & {".arrow", ".feather", ".ipc"}:
-        return "arrow"
-    if suffixes & {".jsonl", ".json", ".ndjson"}:
-        first = next(f for f in files if f.lower().endswith((".jsonl", ".json", ".ndjson")))
-        fs, inner = storage.filesystem(first)
-        with fs.open_input_stream(inner) as f:
-            return _jsonl_kind(f.read(1 << 20).split(b"\n", 1)[0].decode("utf-8", errors="replace"))
-    return "parquet"
-
-
-def _output_store_problem(path: str) -> str | None:
-    """Why an object-store output cannot be used (its scheme, the bucket, the credentials); None
-    for a local path or a usable bucket. Writing is checked when the job takes its lease."""
-    s = storage.scheme(path)
-    if s is None:
-        return None
-    if s not in storage.OUTPUT_SCHEMES:
-        return (
-            f"{storage.redact(path)!r}: a job writes to a local directory or s3:// (any S3-compatible "
-            f"store); {s}:// can be read (input.path) but not written"
-        )
-    from batchgen.job.store import S3Store
-
-    try:
-        S3Store(path).check_bucket()
-    except (storage.StorageError, ValueError) as e:
-        return str(e)
-    return None

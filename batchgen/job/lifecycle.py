@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.job.report import JobReport
+from batchgen.job.store import OutputStore
 
 PROGRESS_ENV = "BATCHGEN_PROGRESS_LINES"  # set for a replica of a local job: progress as lines, no bar
 PROGRESS_PREFIX = "batchgen-progress "
@@ -144,6 +145,6 @@ def interrupted(signum: int, rows_saved: int, out_dir: Path | str, dropped: int 
     )
 
 
-def save_report(store: Any, name: str, report: JobReport) -> None:
+def save_report(store: OutputStore, name: str, report: JobReport) -> None:
     """Write the report as ``name`` in the output store (whole or not at all)."""
     store.write(name, json.dumps(report.to_dict(), indent=2).encode())

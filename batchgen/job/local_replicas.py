@@ -12,7 +12,6 @@ progress lines, forwards SIGTERM / SIGINT to them and prints one report, their r
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import signal
@@ -41,6 +40,7 @@ from batchgen.job.report import JobReport
 from batchgen.job.runner import check_layout, job_rows, output_id_key
 from batchgen.job.sink import ShardSink
 from batchgen.job.store import BOOKKEEPING_DIR, open_store
+from batchgen.job.workers import Worker, merge_reports, nothing_to_do, read_report
 
 _PR_SET_PDEATHSIG = 1
 
@@ -113,7 +113,7 @@ class ReplicaJobRunner:
         self.count = len(plan)
         self.store = open_store(cfg.output.path)
         self.out_dir = self.store.display
-        self.tags = [f"-{i:05d}-of-{self.count:05d}" for i in range(self.count)]
+        self.workers = [Worker((i, self.count)) for i in range(self.count)]
         self.sinks: list[ShardSink] = []  # each replica's shards, read (never written) by this process
 
     def _command(self, index: int) -> list[str]:
@@ -123,12 +123,12 @@ class ReplicaJobRunner:
         return cmd + (["--overwrite"] if self.overwrite else [])
 
     def run(self) -> JobReport:
-        with self.store.lock(None, shared=True), StopSignals() as signals:
+        with self.store.hold_for_workers(), StopSignals() as signals:
             check_layout(self.store, self.count, self.overwrite)
             fmt = "parquet" if self.cfg.output.format == "parquet" else "openai"
             key = output_id_key(self.cfg)
-            self.sinks = [ShardSink(self.store, fmt, key, prefix=f"part{tag}", clean=False,
-                                   output_fields=self.cfg.output_fields()) for tag in self.tags]
+            self.sinks = [ShardSink(self.store, fmt, key, prefix=w.shard_prefix, clean=False,
+                                   output_fields=self.cfg.output_fields()) for w in self.workers]
             done = self._done_report()
             return done if done is not None else self._run(signals)
 
@@ -216,28 +216,15 @@ class ReplicaJobRunner:
         done = sum(len(sink.done_ids()) for sink in self.sinks)
         if done < total:
             return None
-        try:
-            report = JobReport.from_dict(json.loads(self.store.read(f"{BOOKKEEPING_DIR}/report.json") or b""))
-        except (OSError, ValueError, TypeError):
-            report = JobReport(rows_total=total)
         totals = [sink.totals() for sink in self.sinks]
-        report.rows_in_output, report.failed_in_output = sum(t[0] for t in totals), sum(t[1] for t in totals)
-        report.nothing_to_do = done
-        return report
+        rows_and_failed = (sum(t[0] for t in totals), sum(t[1] for t in totals))
+        return nothing_to_do(self.store, f"{BOOKKEEPING_DIR}/report.json", total, done, rows_and_failed)
 
     def _report(self, wall: float) -> JobReport:
         """The replicas' reports as one: counts summed, engine figures summed (text joined), this
         process's wall time; saved as ``.batchgen/report.json``."""
-        parts = [json.loads(self.store.read(f"{BOOKKEEPING_DIR}/report{t}.json") or b"{}") for t in self.tags]
-        report = JobReport(rows_total=job_rows(self.cfg))
-        for part in parts:
-            r = JobReport.from_dict(part)
-            for key in ("rows_previously_done", "rows_ok", "rows_failed", "duplicate_ids", "structured_cut_short",
-                        "rows_in_output", "failed_in_output", "prompt_tokens", "generated_tokens",
-                        "rows_deduplicated"):
-                setattr(report, key, getattr(report, key) + getattr(r, key))
-            for message, n in r.errors.items():
-                report.errors[message] = report.errors.get(message, 0) + n
+        parts = [read_report(self.store, w.report_name) or {} for w in self.workers]
+        report = merge_reports(parts, job_rows(self.cfg))
         if all(p.get("nothing_to_do") for p in parts):
             report.nothing_to_do = sum(p["nothing_to_do"] for p in parts)
         report.prompt_tokens_perfect_order = None

@@ -47,12 +47,13 @@ from batchgen.job.replicas import EngineReplica, apply_replicas
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowIdentities, input_row_id
 from batchgen.job.runner import JobRunner
-from batchgen.job.sink import ShardDropped, ShardSink
+from batchgen.job.sink import ShardSink
 from batchgen.job.source import iter_range, iter_rows, schema_of
-from batchgen.job.store import open_store
+from batchgen.job.store import ShardDropped, open_store
+from batchgen.job.workers import RAY_SHARD_PREFIX
 from batchgen.storage import StorageOptions
 
-SHARD_PREFIX = "part-ray"
+SHARD_PREFIX = RAY_SHARD_PREFIX
 READ_TASKS = 2  # read tasks at once: they run ahead of the replicas by Ray Data's backpressure
 _UNIT_SCHEMA = pa.schema(
     [("_unit", pa.int64()), ("_unit_rows", pa.int64()), ("_position", pa.int64()), ("_row", pa.binary())]
@@ -238,7 +239,7 @@ class RayJobRunner(JobRunner):
         self.shard_prefix = SHARD_PREFIX
 
     def run(self) -> JobReport:
-        with self.store.lock(None), StopSignals() as signals:
+        with self.store.hold(None), StopSignals() as signals:
             return self._run_ray(signals)
 
     def _units(self, total: int, sink: ShardSink) -> list[int]:

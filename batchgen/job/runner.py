@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
-import shutil
 import threading
 import time
 from collections import deque
@@ -29,7 +27,7 @@ from tqdm.auto import tqdm
 from batchgen import storage
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key
 from batchgen.engine.engine import LLMEngine
-from batchgen.job.config import JobConfig, detect_format, input_files, parse_shard
+from batchgen.job.config import JobConfig, parse_shard
 from batchgen.job.lifecycle import (
     JobIncomplete,
     JobRefused,
@@ -42,8 +40,17 @@ from batchgen.job.lifecycle import (
 from batchgen.job.report import JobReport
 from batchgen.job.rows import Request, RowCodec, RowIdentities, row_bytes
 from batchgen.job.sink import ShardSink
-from batchgen.job.source import check_unchanged, count_rows, input_state, iter_rows, schema_of
-from batchgen.job.store import BOOKKEEPING_DIR, LocalStore, S3Store, open_store
+from batchgen.job.source import (
+    check_unchanged,
+    count_rows,
+    detect_format,
+    input_files,
+    input_state,
+    iter_rows,
+    schema_of,
+)
+from batchgen.job.store import BOOKKEEPING_DIR, OutputStore, open_store
+from batchgen.job.workers import Worker, nothing_to_do, worker_count
 from batchgen.outputs import RequestOutput
 
 _END = object()
@@ -83,24 +90,12 @@ def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list
     return out
 
 
-_LAYOUT = re.compile(r"^\.?(?:part|manifest|report)(-\d{5}-of-(\d{5}))?[-.]")
-
-
-def _layout_of(name: str) -> int | None | bool:
-    """The worker count a shard, manifest or report file belongs to (None: an unsharded job's);
-    False for other files."""
-    m = _LAYOUT.match(name)
-    if m is None:
-        return False
-    return int(m.group(2)) if m.group(1) else None
-
-
-def check_layout(store: LocalStore | S3Store, workers: int | None, overwrite: bool) -> None:
+def check_layout(store: OutputStore, workers: int | None, overwrite: bool) -> None:
     """Refuse an output holding shards of another worker count (None: an unsharded job), or with
     ``overwrite`` remove them: a shard names its worker, so workers of another count would compute
     the same rows again under other names."""
     manifests = [n for n in store.files(BOOKKEEPING_DIR) if n.startswith("manifest") and n.endswith(".json")]
-    others = {_layout_of(n) for n in manifests} - {workers, False}
+    others = {worker_count(n) for n in manifests} - {workers, False}
     if not others:
         return
     held = ", ".join(sorted("one engine" if n is None else f"{n} workers" for n in others))
@@ -112,7 +107,7 @@ def check_layout(store: LocalStore | S3Store, workers: int | None, overwrite: bo
         )
     for folder in ("", BOOKKEEPING_DIR):
         for name in store.files(folder):
-            if _layout_of(name) in others:
+            if worker_count(name) in others:
                 store.delete(f"{folder}/{name}".lstrip("/"))
 
 
@@ -141,22 +136,20 @@ class JobRunner:
         self.cfg = cfg
         self.overwrite = overwrite
         self._engine = engine
+        storage.use(cfg.storage)  # this process's object-store options: the job's
         self.files = input_files(cfg.input.path)
         self.fmt = detect_format(cfg.input, self.files)
         self.openai_in = self.fmt == "openai"
         self.id_key = "custom_id" if self.openai_in else (cfg.input.id_column or "row_index")
-        storage.use(cfg.storage)
         self.store = open_store(cfg.output.path)
         self.out_dir = self.store.display
         self.shard = parse_shard(cfg.run.shard)
         # a sharded job's workers share the directory: every file of theirs carries the index
-        tag = "" if self.shard is None else f"-{self.shard[0]:05d}-of-{self.shard[1]:05d}"
-        # Bookkeeping lives in a hidden directory, which dataset readers (pyarrow, pandas,
-        # datasets.load_dataset with data_dir) skip: the output directory reads as one dataset.
-        self.manifest_name = f"{BOOKKEEPING_DIR}/manifest{tag}.json"
-        self.report_name = f"{BOOKKEEPING_DIR}/report{tag}.json"
-        self.legacy_manifest = f"_manifest{tag}.json"  # where versions before 0.2 kept it
-        self.shard_prefix = f"part{tag}"
+        worker = Worker(self.shard)
+        self.manifest_name = worker.manifest_name
+        self.report_name = worker.report_name
+        self.legacy_manifest = worker.legacy_manifest
+        self.shard_prefix = worker.shard_prefix
         self.codec = RowCodec(cfg, self.openai_in)
 
     # -- resume / refuse -----------------------------------------------------------------------
@@ -198,10 +191,8 @@ class JobRunner:
                     continue
                 if self.shard is None or name.lstrip(".").startswith(mine):
                     self.store.delete(f"{folder}/{name}".lstrip("/"))
-        if self.shard is None and isinstance(self.store, LocalStore):  # folders a user put there
-            for path in self.store.root.iterdir():
-                if path.is_dir() and path.name != BOOKKEEPING_DIR:
-                    shutil.rmtree(path)
+        if self.shard is None:
+            self.store.remove_folders()  # folders a user put there
 
     def _write_manifest(self, sink: ShardSink | None = None) -> None:
         """Record the config's fingerprint and every shard on disk with its row count. The shards
@@ -310,7 +301,7 @@ class JobRunner:
         ``JobRefused`` for another config's output, ``JobInterrupted`` on SIGTERM / SIGINT (after
         saving the finished rows), ``OutputWriteError`` when the output cannot be written,
         ``InputChanged`` / ``JobIncomplete`` when the input changed under it."""
-        with self.store.lock(self.shard), StopSignals() as signals:
+        with self.store.hold(self.shard), StopSignals() as signals:
             return self._run(signals)
 
     def _run(self, signals: StopSignals) -> JobReport:
@@ -387,13 +378,7 @@ class JobRunner:
         """Every row is already in the output: no model is loaded, the manifest is made true, and
         the saved report (of the run that finished the rows) is kept and returned."""
         self._write_manifest(sink)
-        try:
-            report = JobReport.from_dict(json.loads(self.store.read(self.report_name) or b""))
-        except (OSError, ValueError, TypeError):
-            report = JobReport(rows_total=total)
-        report.rows_in_output, report.failed_in_output = sink.totals()
-        report.nothing_to_do = done
-        return report
+        return nothing_to_do(self.store, self.report_name, total, done, sink.totals())
 
     def _count_input_rows(self) -> int | None:
         """Rows this job (or worker) should produce: the input's, after ``limit`` and ``shard``."""

@@ -4,17 +4,14 @@ those rows, so nothing is lost or written twice whatever the moment the previous
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchgen.job.store import CommitGate, OutputStore
 
 # Per-token log-probabilities of a completion, a scored continuation or a prompt, position by
 # position: the token, its log-probability and rank (1 = the most likely), and its top k
@@ -85,110 +82,6 @@ def score_fields(logprobs: bool = False) -> list[pa.Field]:
 OUTPUT_FIELDS = generation_fields()
 
 
-class OutputWriteError(RuntimeError):
-    """Writing the job's output failed (disk full, read-only, permissions); names the path."""
-
-    def __init__(self, path: Path, error: OSError) -> None:
-        super().__init__(f"cannot write {path}: {error.strerror or error}")
-        self.path = path
-        self.errno = error.errno
-
-
-class ShardDropped(RuntimeError):
-    """A shard finished after its job was stopped (a Ray replica outliving the driver's loop): it is
-    not kept, and the rerun does its rows again."""
-
-
-class CommitGate:
-    """Lets one process stop the shard commits of others (a Ray job's replicas) at a known moment.
-
-    A replica renames each shard into place under a shared ``flock`` on ``commits.lock``, and only
-    while ``commits.stopped`` is absent. The driver's ``stop`` takes the lock exclusively and creates
-    that file: once it returns, no shard appears on disk any more, so the manifest written next lists
-    every shard there is."""
-
-    def __init__(self, meta_dir: Path) -> None:
-        self.lock = meta_dir / "commits.lock"
-        self.stopped = meta_dir / "commits.stopped"
-
-    def open(self) -> None:
-        self.stopped.unlink(missing_ok=True)
-
-    def stop(self) -> None:
-        with self._locked(fcntl.LOCK_EX):
-            self.stopped.touch()
-
-    @contextlib.contextmanager
-    def commit(self, path: Path) -> Iterator[None]:
-        with self._locked(fcntl.LOCK_SH):
-            if self.stopped.exists():
-                raise ShardDropped(f"{path.name} finished after the job stopped; the rerun writes it again")
-            yield
-
-    @contextlib.contextmanager
-    def _locked(self, mode: int) -> Iterator[None]:
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor drops its flock
-
-
-def _tmp_path(path: Path) -> Path:
-    # the writer's pid keeps two processes writing the same name (a retried task) apart
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def atomic_write_bytes(path: Path, data: bytes, gate: CommitGate | None = None) -> None:
-    """Write ``path`` whole or not at all: a temp file, fsync, rename (while ``gate`` is open). A
-    failure (a full disk) removes the temp file and raises ``OutputWriteError``; ``path`` keeps its
-    old content."""
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _commit(tmp, path, gate)
-    except OSError as e:
-        _discard(tmp)
-        raise OutputWriteError(path, e) from e
-    _fsync_dir(path.parent)
-
-
-def _commit(tmp: Path, path: Path, gate: CommitGate | None) -> None:
-    if gate is None:
-        os.replace(tmp, path)
-        return
-    try:
-        with gate.commit(path):
-            os.replace(tmp, path)
-    except ShardDropped:
-        _discard(tmp)
-        raise
-
-
-def _discard(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # Characters that JSON leaves unescaped but some line readers (Python's str.splitlines, JavaScript)
 # take for line ends: escaped, so that every reader sees one record per line.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
@@ -209,15 +102,15 @@ class ShardSink:
 
     def __init__(
         self,
-        store: Any,
+        store: OutputStore,
         fmt: str,
         id_key: str,
         prefix: str = "part",
         clean: bool = True,
-        gate: Any = None,
+        gate: CommitGate | None = None,
         output_fields: list[pa.Field] | None = None,
     ) -> None:
-        self.store = store  # a LocalStore or S3Store (batchgen/job/store.py)
+        self.store = store
         self.output_fields = output_fields
         self.gate = gate
         self.fmt = fmt
@@ -288,7 +181,7 @@ class ShardSink:
         counts[name] = (rows, failed) if failed is not None else shard_counts(self.store, name)
 
 
-def shard_counts(store: Any, name: str) -> tuple[int, int]:
+def shard_counts(store: OutputStore, name: str) -> tuple[int, int]:
     """(rows, failed rows) of one shard: its row count and non-null ``error`` values."""
     if name.endswith(".parquet"):
         err = pq.read_table(store.open_input(name), columns=["error"]).column(0)
@@ -327,7 +220,7 @@ def row_identity(value: Any, position: int, error: str | None = None) -> str:
     return "#" + text if text.startswith("#") else text
 
 
-def shard_ids(store: Any, name: str, id_key: str) -> list[str]:
+def shard_ids(store: OutputStore, name: str, id_key: str) -> list[str]:
     """The identities (``row_identity``) of the rows in one shard, in order."""
     if name.endswith(".parquet"):
         pf = pq.ParquetFile(store.open_input(name))

@@ -4,6 +4,7 @@ saved with ``save_to_disk``, and OpenAI batch-request JSONL (``custom_id`` + ``b
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -15,6 +16,69 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from batchgen import storage
+from batchgen.job.config import InputConfig
+
+# how an input's format shows: a marker file of a saved ``datasets`` dataset, or the files' suffixes
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SUFFIX_FORMATS = ((".parquet",), (".arrow", ".feather", ".ipc"), (".jsonl", ".json", ".ndjson"))
+_FORMAT_NAMES = ("parquet", "arrow", "jsonl")
+
+
+def input_files(path: str) -> list[str]:
+    """The input's files: a glob's matches, or the path (a directory is read whole). A URI lists
+    its objects: the one it names, every object under a prefix, or a glob's matches."""
+    if storage.is_uri(path):
+        return storage.expand(path)
+    path = storage.local_path(path)
+    if any(c in path for c in "*?["):
+        return sorted(glob.glob(path, recursive=True))
+    p = Path(path)
+    if p.is_dir():
+        return [str(p)]
+    return [str(p)] if p.exists() else []
+
+
+def detect_format(inp: InputConfig, files: list[str]) -> str:
+    """The input's format: ``input.format`` unless ``auto``; else ``hf`` for a saved ``datasets``
+    dataset (one of its marker files), else by the files' suffixes (Parquet first), a JSON Lines
+    file being ``openai`` when its first line is a batch request. Local files and objects alike."""
+    if inp.format != "auto":
+        return inp.format
+    first = files[0]
+    if storage.is_uri(first):  # the objects listed, a dataset's markers among them
+        names, requests = [f.rsplit("/", 1)[-1] for f in files], files
+        if any(n in _HF_MARKERS for n in names):
+            return "hf"
+    elif Path(first).is_dir():  # a directory: its markers at the top, its files' suffixes below
+        if any((Path(first) / m).exists() for m in _HF_MARKERS):
+            return "hf"
+        names = [p.name for p in Path(first).rglob("*") if p.is_file()]
+        requests = []  # the JSON Lines of a directory are rows, never batch requests
+    else:
+        names, requests = [Path(first).name], [first]
+    suffixes = {os.path.splitext(n)[1].lower() for n in names}
+    for fmt, group in zip(_FORMAT_NAMES, _SUFFIX_FORMATS, strict=True):
+        if suffixes & set(group):
+            jsonl = next((r for r in requests if r.lower().endswith(group)), None)
+            return _jsonl_kind(jsonl) if fmt == "jsonl" and jsonl is not None else fmt
+    return "parquet"
+
+
+def _jsonl_kind(path: str) -> str:
+    """``openai`` when a JSON Lines file's first line is a batch request (``custom_id`` + ``body``)."""
+    fs, inner = storage.filesystem(path) if storage.is_uri(path) else (None, path)
+    if fs is None:
+        with open(inner, "rb") as f:
+            head = f.read(1 << 20)
+    else:
+        with fs.open_input_stream(inner) as f:
+            head = f.read(1 << 20)
+    first_line = head.split(b"\n", 1)[0].decode("utf-8", errors="replace")
+    try:
+        obj = json.loads(first_line) if first_line.strip() else {}
+    except ValueError:
+        obj = {}
+    return "openai" if isinstance(obj, dict) and "custom_id" in obj and "body" in obj else "jsonl"
 
 
 def _open(path: str) -> Any:

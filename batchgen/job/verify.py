@@ -10,18 +10,18 @@ duplicated ids are named, with the shards that hold each duplicate.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.job.config import ConfigError, JobConfig, detect_format, input_files, load_job_config
+from batchgen.job.config import ConfigError, JobConfig
+from batchgen.job.preflight import load_job_config
 from batchgen.job.rows import RowIdentities
 from batchgen.job.sink import shard_ids
-from batchgen.job.source import iter_rows
-from batchgen.job.store import BOOKKEEPING_DIR, LocalStore, S3Store, open_store
+from batchgen.job.source import detect_format, input_files, iter_rows
+from batchgen.job.store import BOOKKEEPING_DIR, OutputStore, open_store
+from batchgen.job.workers import SHARD_NAME, SUMMED, merge_reports, worker_reports
 
-SHARD_NAME = re.compile(r"^part(-.+)?-\d+\.(parquet|jsonl)$")
 SHOWN = 20  # ids named per kind of problem
 
 
@@ -70,7 +70,7 @@ def _some(ids: list[str]) -> str:
     return ", ".join(ids[:SHOWN]) + (f", ... {len(ids) - SHOWN} more" if len(ids) > SHOWN else "")
 
 
-def config_of(store: LocalStore | S3Store) -> str:
+def config_of(store: OutputStore) -> str:
     """The config file the manifests of the output name (they must agree)."""
     names = set()
     for name in store.files(BOOKKEEPING_DIR):
@@ -142,31 +142,10 @@ def combined_report(out_dir: str | Path, result: Verification) -> dict[str, Any]
     """The workers' reports summed (rows, tokens, errors; wall time the longest), with the
     verification, written to ``OUT/.batchgen/report.json``."""
     store = open_store(str(out_dir))
-    names = store.files(BOOKKEEPING_DIR)
-    reports = sorted(n for n in names if re.match(r"^report-.*-of-.*\.json$", n)) or [n for n in names if n == "report.json"]
-    combined: dict[str, Any] = {"workers": len(reports)}
-    sums = (
-        "rows_ok",
-        "rows_failed",
-        "prompt_tokens",
-        "generated_tokens",
-        "rows_deduplicated",
-        "duplicate_ids",
-    )
-    for name in reports:
-        try:
-            r = json.loads(store.read(f"{BOOKKEEPING_DIR}/{name}") or b"")
-        except ValueError:
-            continue
-        for key in sums:
-            combined[key] = combined.get(key, 0) + (r.get(key) or 0)
-        combined["wall_s"] = max(combined.get("wall_s", 0.0), r.get("wall_s") or 0.0)
-        for message, count in (r.get("errors") or {}).items():
-            combined.setdefault("errors", {})[message] = combined.get("errors", {}).get(message, 0) + count
-    if combined.get("wall_s"):
-        combined["generated_tokens_per_s"] = round(
-            combined.get("generated_tokens", 0) / combined["wall_s"], 2
-        )
+    parts = worker_reports(store)
+    merged = merge_reports(parts, result.rows_expected)
+    combined: dict[str, Any] = {"workers": len(parts), **{key: getattr(merged, key) for key in SUMMED}}
+    combined.update(wall_s=merged.wall_s, errors=merged.errors, generated_tokens_per_s=round(merged.tokens_per_s, 2))
     combined["rows_in_output"] = result.rows_in_output
     combined["verify"] = result.to_dict()
     store.write(f"{BOOKKEEPING_DIR}/report.json", json.dumps(combined, indent=2).encode())

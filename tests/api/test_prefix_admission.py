@@ -12,7 +12,7 @@ import pytest
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.engine.admission import PrefixWindow, PromptBlockCounter, duplicate_key, prefix_order
-from batchgen.job.config import load_job_config
+from batchgen.job.preflight import load_job_config
 from batchgen.job.runner import JobRunner
 from tests.job.helpers import read_output, write_config
 

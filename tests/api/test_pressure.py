@@ -163,7 +163,7 @@ def check_idle(llm: LLM) -> None:
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and not bm.seqs and not bm.swapped
     assert len(bm.host_free) + len(bm.host_pending_free) == bm.num_host_blocks
-    assert not eng.has_unfinished() and not eng._pending and not eng._groups
+    assert not eng.has_unfinished() and not eng.kinds[BeamSearchParams].pending and not eng._groups
 
 
 @pytest.mark.parametrize("index", range(NUM_CONFIGS))

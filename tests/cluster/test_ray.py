@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from batchgen.job.config import load_job_config
 from batchgen.job.lifecycle import JobIncomplete, JobInterrupted
+from batchgen.job.preflight import load_job_config
 from batchgen.job.ray_executor import RayJobRunner
 from batchgen.job.runner import JobRunner
 from batchgen.ray_data import build_processor

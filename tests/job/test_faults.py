@@ -124,8 +124,8 @@ def test_a_signal_as_rows_start_to_flow_stops_the_reader_and_writer_threads(tmp_
     tokenizer while the interpreter exits aborts the process (SIGABRT) instead of exiting 143."""
     import threading
 
-    from batchgen.job.config import load_job_config
     from batchgen.job.lifecycle import JobInterrupted
+    from batchgen.job.preflight import load_job_config
     from batchgen.job.runner import JobRunner
 
     n = 2000  # far more than one engine-full: the job is still running when the signal comes
@@ -306,7 +306,7 @@ def test_an_engine_error_on_one_request_becomes_that_rows_error(tmp_path, llama_
     """If the engine gives up on one request (here: validation bypassed for a prompt that can never
     fit the pool), that row gets an error and the job goes on."""
     from batchgen.engine.engine import LLMEngine
-    from batchgen.job.config import load_job_config
+    from batchgen.job.preflight import load_job_config
     from batchgen.job.runner import JobRunner
 
     rows = [{"id": 0, "prompt": "the cat"}, {"id": 1, "prompt": "the quick brown fox " * 20}, {"id": 2, "prompt": "a"}]
@@ -329,8 +329,9 @@ def test_once_the_commit_gate_is_shut_no_other_process_adds_a_shard(tmp_path):
     """The Ray driver's guarantee that its last manifest lists every shard: a process inside its
     commit when ``stop`` is called finishes it first; one that commits after drops its shard,
     leaving neither the shard nor its temp file."""
-    from batchgen.job.sink import CommitGate, ShardDropped, ShardSink
-    from batchgen.job.store import LocalStore
+    from batchgen.job.sink import ShardSink
+    from batchgen.job.store import LocalStore, ShardDropped
+    from batchgen.job.store.local import DirectoryGate as CommitGate
 
     meta = tmp_path / ".batchgen"
     meta.mkdir()
@@ -338,7 +339,7 @@ def test_once_the_commit_gate_is_shut_no_other_process_adds_a_shard(tmp_path):
     gate.open()
     writer = subprocess.Popen(  # holds the gate (as a replica renaming a shard) for a second
         [sys.executable, "-c", (
-            "import sys, time; from pathlib import Path; from batchgen.job.sink import CommitGate\n"
+            "import sys, time; from pathlib import Path; from batchgen.job.store.local import DirectoryGate as CommitGate\n"
             "out = Path(sys.argv[1]); gate = CommitGate(out / '.batchgen')\n"
             "with gate.commit(out / 'part-ray-000001.parquet'):\n"
             "    (out / 'started').touch(); time.sleep(1.0); (out / 'part-ray-000001.parquet').write_bytes(b'x')\n"

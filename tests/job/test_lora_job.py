@@ -91,7 +91,7 @@ def test_bad_lora_config_is_refused_before_the_model_loads(tmp_path, llama_dir, 
 def test_a_ray_replica_runs_each_row_on_its_adapter(tmp_path, llama_dir, adapters):
     """The Ray executor's engine actor (``EngineReplica``, run here in-process) reads the same
     ``lora_column``: rows equal the oracle, the unknown adapter is that row's error."""
-    from batchgen.job.config import load_job_config
+    from batchgen.job.preflight import load_job_config
     from batchgen.job.replicas import EngineReplica
 
     config, rows = _config(tmp_path, llama_dir, adapters, 12)

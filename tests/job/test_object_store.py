@@ -394,8 +394,8 @@ def test_other_schemes_are_read_through_fsspec(tmp_path):
     listing a prefix and a glob, detecting the format, reading Parquet and JSONL rows."""
     import fsspec
 
-    from batchgen.job.config import InputConfig, detect_format, input_files
-    from batchgen.job.source import iter_rows
+    from batchgen.job.config import InputConfig
+    from batchgen.job.source import detect_format, input_files, iter_rows
 
     fs = fsspec.filesystem("memory")
     rows = make_rows(5)

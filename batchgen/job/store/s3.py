@@ -1,9 +1,8 @@
-"""Where a job's output goes: a local directory (``LocalStore``) or an S3 prefix (``S3Store``).
+"""An output prefix in an S3 bucket (``S3Store``).
 
-Both keep the same promise: a shard, manifest or report is there whole or not at all, and the
-shards are the record of what is done. On disk that is a temp file, fsync and rename, with
-``flock`` excluding a second writer (``batchgen/job/lock.py``). On object storage there is no
-rename and no lock, so:
+A shard, manifest or report is there whole or not at all, and the shards are the record of what
+is done, as in a local directory (``local.py``: temp file, fsync, rename, ``flock``). On object
+storage there is no rename and no lock, so:
 
 * every object is one PUT of its whole bytes (S3 stores an object whole or not at all);
 * names are deterministic (``part-NNNNNN``, per worker ``part-IIIII-of-NNNNN-NNNNNN``, per Ray unit
@@ -25,75 +24,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from batchgen import storage
-from batchgen.job.lock import OutputLock, OutputLocked
-from batchgen.job.sink import CommitGate, ShardDropped, atomic_write_bytes
-
-BOOKKEEPING_DIR = ".batchgen"  # manifest, report, locks and leases, inside the output
-
-
-class LocalStore:
-    """An output directory on a POSIX filesystem."""
-
-    def __init__(self, path: str) -> None:
-        self.root = Path(storage.local_path(path))
-        self.display = str(self.root)
-
-    def files(self, folder: str = "") -> list[str]:
-        base = self.root / folder
-        try:
-            return sorted(e.name for e in os.scandir(base) if e.is_file())
-        except FileNotFoundError:
-            return []
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return (self.root / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write(self, name: str, data: bytes, gate: Any = None) -> None:
-        path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, data, gate)
-
-    def delete(self, name: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
-
-    def exists(self) -> bool:
-        return self.root.exists()
-
-    def lock(self, shard: tuple[int, int] | None, shared: bool = False) -> OutputLock:
-        return OutputLock(self.root / BOOKKEEPING_DIR, shard, shared)
-
-    def commit_gate(self) -> CommitGate:
-        return CommitGate(self.root / BOOKKEEPING_DIR)
-
-    def open_input(self, name: str) -> str:
-        return str(self.root / name)
-
-    def clean_temp(self, prefix: str, folder: str = "") -> None:
-        """Temp files (``.PREFIX*tmp``) a crash or a full disk left behind in ``folder``."""
-        base = self.root / folder
-        if base.is_dir():
-            for stale in base.glob(f".{prefix}*tmp"):
-                stale.unlink(missing_ok=True)
-
-
-def open_store(path: str) -> LocalStore | S3Store:
-    """The output store of ``output.path``: a local directory or ``s3://BUCKET/PREFIX``."""
-    s = storage.scheme(path)
-    if s is None:
-        return LocalStore(path)
-    if s == "s3":
-        return S3Store(path)
-    raise storage.StorageError(
-        f"output.path: {storage.redact(path)!r}: a job writes to a local directory or s3:// (any "
-        f"S3-compatible store); {s}:// is read-only here"
-    )
+from batchgen.job.store.base import BOOKKEEPING_DIR, CommitGate, OutputLocked, OutputUnavailable, ShardDropped
+from batchgen.job.workers import shard_tag
 
 
 class S3Store:
@@ -111,13 +48,17 @@ class S3Store:
     def uri(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{self.key(name)}" if name else self.display
 
-    def _call(self, what: str, name: str, fn: Any, **kwargs: Any) -> Any:
+    def call(self, what: str, name: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """``fn(Bucket=..., **kwargs)`` on object ``name``: a missing object raises
+        ``FileNotFoundError``, any other error of botocore one ``S3RequestError`` line naming the
+        object (``what``: "reading", "writing the lease", ...) and carrying the error's code."""
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as e:  # noqa: BLE001 - botocore's errors, named with the object
-            if _code(e) in ("NoSuchKey", "404"):
+            code = _code(e)
+            if code in ("NoSuchKey", "404"):
                 raise FileNotFoundError(self.uri(name)) from None
-            raise storage.StorageError(f"{what} {storage.describe_error(e, self.uri(name))}") from None
+            raise S3RequestError(f"{what} {storage.describe_error(e, self.uri(name))}", code) from None
 
     def files(self, folder: str = "") -> list[str]:
         base = self.key(folder).rstrip("/") + "/" if (self.prefix or folder) else ""
@@ -125,7 +66,7 @@ class S3Store:
         client = storage.s3_client()
         token: dict[str, str] = {}
         while True:
-            page = self._call("listing", folder, client.list_objects_v2, Prefix=base, Delimiter="/", **token)
+            page = self.call("listing", folder, client.list_objects_v2, Prefix=base, Delimiter="/", **token)
             out.extend(o["Key"][len(base) :] for o in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 return sorted(out)
@@ -133,31 +74,36 @@ class S3Store:
 
     def read(self, name: str) -> bytes | None:
         try:
-            body = self._call("reading", name, storage.s3_client().get_object, Key=self.key(name))
+            body = self.call("reading", name, storage.s3_client().get_object, Key=self.key(name))
         except FileNotFoundError:
             return None
         return body["Body"].read()
 
-    def write(self, name: str, data: bytes, gate: Any = None) -> None:
+    def write(self, name: str, data: bytes, gate: CommitGate | None = None) -> None:
         """One PUT of the whole object: S3 stores it whole or not at all."""
-        if gate is not None:
-            gate.check(name)
-        if self.lease is not None:
-            self.lease.check()
-        self._call("writing", name, storage.s3_client().put_object, Key=self.key(name), Body=data)
+        with gate.commit(name) if gate is not None else contextlib.nullcontext():
+            if self.lease is not None:
+                self.lease.check()
+            self.call("writing", name, storage.s3_client().put_object, Key=self.key(name), Body=data)
 
     def delete(self, name: str) -> None:
-        self._call("deleting", name, storage.s3_client().delete_object, Key=self.key(name))
+        self.call("deleting", name, storage.s3_client().delete_object, Key=self.key(name))
 
     def exists(self) -> bool:
         return bool(self.files()) or bool(self.files(BOOKKEEPING_DIR))
 
-    def check_bucket(self) -> None:
-        """Raise a ``StorageError`` naming the bucket unless it exists and these credentials may list it."""
-        self._call("checking", "", storage.s3_client().list_objects_v2, Prefix=self.key(""), MaxKeys=1)
+    def remove_folders(self) -> None:
+        """Nothing to remove: the listing of an output has no folders but the bookkeeping's."""
 
-    def lock(self, shard: tuple[int, int] | None, shared: bool = False) -> Lease:
-        return Lease(self, shard, shared)
+    def check_writable(self) -> None:
+        """Raise a ``StorageError`` naming the bucket unless it exists and these credentials may list it."""
+        self.call("checking", "", storage.s3_client().list_objects_v2, Prefix=self.key(""), MaxKeys=1)
+
+    def hold(self, shard: tuple[int, int] | None) -> Lease:
+        return Lease(self, shard)
+
+    def hold_for_workers(self) -> Lease:
+        return Lease(self, None, check_only=True)
 
     def commit_gate(self) -> StopMarker:
         return StopMarker(self)
@@ -175,15 +121,19 @@ class S3Store:
         upload is not an object)."""
 
 
+class S3RequestError(storage.StorageError):
+    """A request to the object store failed; ``code`` is S3's error code (empty when none came)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _code(error: BaseException) -> str:
     response = getattr(error, "response", None)
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return ""
-
-
-class OutputUnavailable(storage.StorageError):
-    """The output could not be taken before any work (access denied, the store unreachable)."""
 
 
 class LeaseLost(storage.StorageError):
@@ -221,12 +171,13 @@ class Lease:
     (``LeaseLost``): by then another job may hold it.
     """
 
-    def __init__(self, store: S3Store, shard: tuple[int, int] | None, shared: bool = False) -> None:
+    def __init__(self, store: S3Store, shard: tuple[int, int] | None, check_only: bool = False) -> None:
         self.store = store
         self.shard = shard
-        self.shared = shared  # the parent of a local job's replicas: its replicas hold the leases
-        tag = "" if shard is None else f"-{shard[0]:05d}-of-{shard[1]:05d}"
-        self.name = f"{BOOKKEEPING_DIR}/lease{tag}"
+        # the parent of a local job's replicas: it checks that no unsharded job holds the output and
+        # holds nothing itself (its replicas hold the leases)
+        self.check_only = check_only
+        self.name = f"{BOOKKEEPING_DIR}/lease{shard_tag(shard)}"
         self.ttl = storage.options().lease_seconds
         self.owner = uuid.uuid4().hex
         self.etag: str | None = None
@@ -252,29 +203,27 @@ class Lease:
 
     def _put(self, **condition: str) -> str | None:
         """PUT the lease under ``condition``; its new ETag, or None when the condition failed."""
-        client = storage.s3_client()
+        put = storage.s3_client().put_object
         try:
-            r = client.put_object(Bucket=self.store.bucket, Key=self.store.key(self.name), Body=self._body(), **condition)
-        except Exception as e:  # noqa: BLE001
-            if _code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            r = self.store.call("writing the lease", self.name, put, Key=self.store.key(self.name), Body=self._body(), **condition)
+        except S3RequestError as e:
+            if e.code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
                 return None
-            if _code(e) in ("NotImplemented", "501"):
+            if e.code in ("NotImplemented", "501"):
                 raise storage.StorageError(
                     f"{self.store.display}: the object store does not support conditional writes "
                     f"({', '.join(condition)}), which keep two jobs off one output; batchgen needs them "
                     "(AWS S3, MinIO, SeaweedFS, Cloudflare R2 have them)"
                 ) from None
-            raise storage.StorageError(f"writing the lease {storage.describe_error(e, self.store.uri(self.name))}") from None
+            raise
         return str(r["ETag"])
 
     def _read(self, name: str | None = None) -> tuple[dict[str, Any], str] | None:
-        client = storage.s3_client()
+        name = name or self.name
         try:
-            r = client.get_object(Bucket=self.store.bucket, Key=self.store.key(name or self.name))
-        except Exception as e:  # noqa: BLE001
-            if _code(e) in ("NoSuchKey", "404"):
-                return None
-            raise storage.StorageError(f"reading the lease {storage.describe_error(e, self.store.uri(name or self.name))}") from None
+            r = self.store.call("reading the lease", name, storage.s3_client().get_object, Key=self.store.key(name))
+        except FileNotFoundError:
+            return None
         try:
             held = json.loads(r["Body"].read())
         except ValueError:
@@ -306,7 +255,7 @@ class Lease:
 
     def _acquire(self) -> None:
         self._check_others()
-        if self.shared:
+        if self.check_only:
             return
         etag = self._put(IfNoneMatch="*")
         if etag is None:
@@ -344,7 +293,7 @@ class Lease:
                 )
 
     def _conflicts(self, name: str) -> bool:
-        if self.shared or self.shard is not None:
+        if self.check_only or self.shard is not None:
             return name == "lease"
         return name.startswith("lease-")
 
@@ -404,7 +353,7 @@ class Lease:
 
 
 class StopMarker:
-    """The object-store form of ``CommitGate``: a Ray job's driver writes ``.batchgen/commits.stopped``
+    """The commit gate of an object store (``CommitGate``): a Ray job's driver writes ``.batchgen/commits.stopped``
     when it stops, and a replica checks for it before each shard's PUT. The check and the PUT are
     two requests, so a shard may still land just after the driver's manifest: it is whole, named
     by its unit of work, and the next run lists it (the shards are the record, not the manifest)."""
@@ -419,6 +368,8 @@ class StopMarker:
     def stop(self) -> None:
         self.store.write(self.name, b"")
 
-    def check(self, name: str) -> None:
+    @contextlib.contextmanager
+    def commit(self, name: str | Path) -> Iterator[None]:
         if self.store.read(self.name) is not None:
-            raise ShardDropped(f"{name} finished after the job stopped; the rerun writes it again")
+            raise ShardDropped(f"{Path(name).name} finished after the job stopped; the rerun writes it again")
+        yield
