@@ -68,6 +68,10 @@ class _LazyList(Sequence):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __repr__(self) -> str:
+        """As vLLM prints its list of ``{token_id: Logprob}`` dicts (None for a first prompt token)."""
+        return repr(list(self))
+
 
 class TokenLogprobs(_LazyList):
     """Per-token log-probabilities held as arrays, one row per token: ``token_ids`` (int32), their
@@ -113,8 +117,6 @@ class TokenLogprobs(_LazyList):
         """A token's text (its id as text when no tokenizer was given)."""
         return self._decode(token) if self._decode else str(token)
 
-    def __repr__(self) -> str:
-        return f"TokenLogprobs({len(self)} tokens, top {self.top_ids.shape[1]})"
 
 
 class PromptLogprobs(_LazyList):
@@ -132,8 +134,6 @@ class PromptLogprobs(_LazyList):
     def _item(self, i: int) -> dict[int, Logprob] | None:
         return None if i == 0 else self.values[i - 1]
 
-    def __repr__(self) -> str:
-        return f"PromptLogprobs({len(self)} tokens)"
 
 
 class LogprobsBuilder:

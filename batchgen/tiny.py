@@ -1,6 +1,8 @@
 """Build small random-weight models of the supported architectures in a local directory, with a
 byte-level BPE tokenizer and a chat template, through ``save_pretrained``. Used by the demo, the
-tests and the benchmarks (no model hub is ever contacted)."""
+tests and the benchmarks (no model hub is ever contacted). The benchmark models that
+``batchgen make-model --bench`` writes are here too; the other benchmark builders, LoRA adapters and
+quantized checkpoints, which only the tests and scripts use, are in ``scripts/fixtures/``."""
 
 from __future__ import annotations
 
@@ -242,66 +244,6 @@ def make_bench_model(path: str | Path, max_positions: int = 4096) -> Path:
     return make_model(path, "llama", seed=0, **{**BENCH_SHAPE, "max_positions": max_positions})
 
 
-# docs/benchmarks.md "bench-1b" (workloads S-gpu / B-gpu): the shape of Llama-3.2-1B
-BENCH_1B_SHAPE: dict[str, Any] = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    max_positions=131072,
-    tie_word_embeddings=True,
-    initializer_range=0.02,
-    tokenizer_vocab=512,
-)
-
-
-def make_bench_1b_model(path: str | Path) -> Path:
-    """docs/benchmarks.md "bench-1b": Llama, vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV heads."""
-    return make_model(path, "llama", seed=0, **BENCH_1B_SHAPE)
-
-
-DEEP_SHAPE: dict[str, Any] = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    max_positions=4096,
-    initializer_range=0.02,
-    tie_word_embeddings=True,
-)
-
-
-def make_bench_deep_model(path: str | Path) -> Path:
-    """docs/benchmarks.md "R": a deep narrow Llama of a small chat model's shape, vocab 49152,
-    hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings."""
-    return make_model(path, "llama", seed=0, **DEEP_SHAPE)
-
-
-# docs/benchmarks.md "Z": a Llama of Qwen2.5-0.5B's dimensions (about 0.5B parameters, 360M
-# outside the tied embedding)
-Z_SHAPE: dict[str, Any] = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    max_positions=4096,
-    initializer_range=0.02,
-    tie_word_embeddings=True,
-)
-
-
-def make_bench_z_model(path: str | Path) -> Path:
-    """docs/benchmarks.md "Z": Llama with Qwen2.5-0.5B's shape, vocab 151936, hidden 896,
-    intermediate 4864, 24 layers, 14 heads, 2 KV heads, tied embeddings; random weights."""
-    return make_model(path, "llama", seed=0, **Z_SHAPE)
-
-
 def make_bench_moe_model(path: str | Path) -> Path:
     """docs/benchmarks.md "M": Qwen3-MoE of bench-56m's size, vocab 32000, hidden 512, 8 layers, 8 heads,
     2 KV heads, 16 experts of 384, top-4 (so 4 x 384 = 1536 active, bench-56m's MLP width)."""
@@ -316,37 +258,3 @@ def make_bench_moe_model(path: str | Path) -> Path:
         decoder_sparse_step=1,
         norm_topk_prob=True,
     )
-
-
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def make_adapter(
-    path: str | Path,
-    model_dir: str | Path,
-    rank: int = 8,
-    alpha: int = 16,
-    targets: tuple[str, ...] | list[str] = ALL_PROJECTIONS,
-    seed: int = 0,
-    scale: float = 0.05,
-    **lora_kwargs,
-) -> Path:
-    """Write a PEFT LoRA adapter of the model in ``model_dir`` to ``path`` with peft's own
-    ``save_pretrained``: random, non-zero A and B (peft starts B at zero), ``scale`` their
-    standard deviation. ``lora_kwargs`` go to ``LoraConfig`` (``use_rslora``, ``alpha_pattern``, ...)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, **lora_kwargs)
-    peft_model = get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * scale)
-    path.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(path))
-    return path

@@ -7,7 +7,7 @@ files, dtype and threads, in one run. Prints a table and writes JSON.
                             [--engine-setting K=V] [--repeat N]
 
 Workload R runs 32 prompts of 32-256 tokens, n=4 sampling, 64 new tokens on a deep narrow model
-(``batchgen.tiny.make_bench_deep_model``: 30 layers, hidden 576, vocab 49152, tied embeddings).
+(``fixtures.models.make_bench_deep_model``: 30 layers, hidden 576, vocab 49152, tied embeddings).
 ``--dtype bfloat16`` runs both sides (and the GEMM floor) in bfloat16.
 
 Workload M runs S's requests on a mixture-of-experts model (Qwen3-MoE layout, 16 experts, top-4,
@@ -19,12 +19,12 @@ transformers runs J with the same xgrammar grammar as a logits processor. Both s
 view of the tokenizer before the timing (batchgen on another grammar, so J's compile is timed).
 
 Workload A runs S's requests with the rows spread round-robin over four rank-16 LoRA adapters on all
-seven projections (``batchgen.tiny.make_adapter``, built beside the model), in one call: against
+seven projections (``fixtures.models.make_adapter``, built beside the model), in one call: against
 batchgen on the base model (the same rows, no adapters), against the four adapters one after
 another (one call each, generation time only), and against transformers + peft with the rows of
 one adapter batched together (needs ``peft``).
 
-Workload Q runs R's requests on bench-deep quantized into each format (``batchgen.tiny_quant``:
+Workload Q runs R's requests on bench-deep quantized into each format (``fixtures.quant``:
 GPTQ and AWQ int4, compressed-tensors int4, int8, W8A8 and FP8, groups of 64) against batchgen in
 bfloat16 on the same model, in one run: tokens/s, peak RSS and the path each projection took
 (``--quant-formats``: only some). Workload QX runs M's requests on a gpt-oss model of bench-moe's
@@ -212,7 +212,7 @@ LORA_RANK = 16
 
 def lora_adapters(model_dir: str) -> list[str]:
     """Workload A's adapters beside the model (built once): rank 16 on all seven projections."""
-    from batchgen.tiny import make_adapter
+    from fixtures.models import make_adapter
 
     paths = []
     for i in range(LORA_ADAPTERS):
@@ -361,7 +361,7 @@ def bench_quant(model_dir: str, w: Workload, threads: int, dtype: str, formats: 
                 repeat: int = 1) -> dict:
     """Workload Q: bf16 and each format, one run each per round (fresh processes, in the same
     order), ``repeat`` rounds; each side's median run."""
-    from batchgen.tiny_quant import quantize_model
+    from fixtures.quant import quantize_model
 
     sides = {"bf16": model_dir}
     for name, (fmt, opts) in QUANT_FORMATS.items():
@@ -394,7 +394,7 @@ def bench_mxfp4(model_dir: str, w: Workload, threads: int, repeat: int) -> dict:
     """Workload QX: M's requests on a gpt-oss model of bench-moe's size, its experts in bf16 (packed
     for the compiled GEMM kernel) and kept MXFP4 (the kernel's MXFP4 path), alternating runs."""
     from batchgen.tiny import BENCH_SHAPE, make_model
-    from batchgen.tiny_quant import quantize_gpt_oss_mxfp4
+    from fixtures.quant import quantize_gpt_oss_mxfp4
 
     quantized = f"{model_dir}-mxfp4"
     if not (Path(model_dir) / "config.json").exists():
@@ -711,12 +711,8 @@ def main() -> None:
         key, _, value = item.partition("=")
         settings[key] = int(value) if value.lstrip("-").isdigit() else value
     names = [x.upper() for x in args.workloads]
-    from batchgen.tiny import (
-        make_bench_deep_model,
-        make_bench_model,
-        make_bench_moe_model,
-        make_bench_z_model,
-    )
+    from batchgen.tiny import make_bench_model, make_bench_moe_model
+    from fixtures.models import make_bench_deep_model, make_bench_z_model
 
     for path, make, wanted in (
         (args.model, make_bench_model, set(names) - {"M", "R", "L", "Z"}),

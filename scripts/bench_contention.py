@@ -144,7 +144,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoConfig
 
-    from batchgen.tiny import make_bench_model, make_bench_z_model
+    from batchgen.tiny import make_bench_model
+    from fixtures.models import make_bench_z_model
 
     if not (Path(args.model) / "config.json").exists():
         make_bench_model(args.model)

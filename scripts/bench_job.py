@@ -187,8 +187,7 @@ def main() -> None:
 
 def compare_s3(args: argparse.Namespace, cfg: dict, rows: list[dict], tmp: Path, env: dict) -> None:
     """Pairs of the job on local files and the job with its input and output in a bucket."""
-    sys.path.insert(0, str(ROOT))
-    from tests.s3server import S3Server
+    from fixtures.s3server import S3Server
 
     server = S3Server(tmp / "s3")
     server.start()

@@ -114,7 +114,7 @@ def engine(args: argparse.Namespace) -> None:
 
     model = "models/bench-deep"
     if not (Path(model) / "config.json").exists():
-        from batchgen.tiny import make_bench_deep_model  # noqa: PLC0415
+        from fixtures.models import make_bench_deep_model  # noqa: PLC0415
 
         make_bench_deep_model(model)
     w = make_workloads(32000, ["R"])[0]

@@ -431,8 +431,9 @@ def check_features(device: str = "cuda") -> dict:
     CPU; the JSON outputs validated against their schema; the weight-only formats also against
     transformers on the dequantized weights (W8A8 rounds its activations, so only the CPU side)."""
     from batchgen import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
-    from batchgen.tiny import make_adapter, make_model
-    from batchgen.tiny_quant import quantize_model
+    from batchgen.tiny import make_model
+    from fixtures.models import make_adapter
+    from fixtures.quant import quantize_model
 
     root = Path("/tmp/gpu-features")
     src = root / "llama"
@@ -572,7 +573,7 @@ def run_workloads(model_dir: str, scale: float, rows: list) -> None:
 
 def run_all_workloads(args: argparse.Namespace, rows: list) -> None:
     if not (Path(args.model_dir) / "config.json").exists():
-        from batchgen.tiny import make_bench_1b_model
+        from fixtures.models import make_bench_1b_model
 
         make_bench_1b_model(args.model_dir)
     run_workloads(args.model_dir, args.scale, rows)

@@ -73,12 +73,8 @@ def main() -> None:
     name = args.workload.upper()
     from transformers import AutoConfig
 
-    from batchgen.tiny import (
-        make_bench_deep_model,
-        make_bench_model,
-        make_bench_moe_model,
-        make_bench_z_model,
-    )
+    from batchgen.tiny import make_bench_model, make_bench_moe_model
+    from fixtures.models import make_bench_deep_model, make_bench_z_model
 
     probe = make_workloads(32000, [name])
     if not probe:

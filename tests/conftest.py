@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from batchgen.tiny import ARCHS, make_adapter, make_model
+from batchgen.tiny import ARCHS, make_model
+from scripts.fixtures.models import make_adapter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU machine
@@ -77,8 +78,8 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the session (tests/s3server.py)."""
-    from tests.s3server import S3Server
+    """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the session (scripts/fixtures/s3server.py)."""
+    from scripts.fixtures.s3server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3"))
     server.start()

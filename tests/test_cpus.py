@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -187,22 +189,70 @@ def test_no_proc_files_keep_the_thread_count(tmp_path):
     assert shared.update() == 2 and shared.update() == 2
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a busy loop beside one engine thread needs 2 CPUs")
-def test_an_engine_beside_a_busy_loop_runs_fewer_threads_and_the_same_tokens(llama_dir):
-    """A busy loop on one of the engine's two CPUs: once a window has seen it, steps run one
-    thread (greedy tokens unchanged); once it ends, two again. Waits for the engine's own figures,
-    for as many calls as it takes."""
+class FakeLoad:
+    """Another process's load as the engine reads it: a fake ``/proc/stat`` (under
+    ``BATCHGEN_SYSTEM_ROOT``) in which, while ``busy``, one of ``cpus`` is counted busy for all of
+    the time that passes, and a ``/proc/self/stat`` whose own ticks never move. Written whole
+    (rename) by a thread, so the engine never reads a half-written file; the machine's real load
+    plays no part."""
+
+    def __init__(self, root: Path, cpus: list[int]) -> None:
+        self.root, self.cpus = root, cpus
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.ticks = 0.0  # the busy CPU's ticks so far
+        self.busy = threading.Event()
+        self.stop = threading.Event()
+        self._write()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _write(self) -> None:
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{c} {int(self.ticks) if i == 0 else 0} 0 0 1000 0 0 0 0 0 0" for i, c in enumerate(self.cpus)]
+        files = {"proc/stat": "\n".join(lines) + "\n",
+                 "proc/self/stat": "42 (python -m x) R 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 3 0\n"}
+        for name, text in files.items():
+            path = self.root / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self.stop.wait(0.02):
+            now = time.monotonic()
+            if self.busy.is_set():
+                self.ticks += (now - last) * self.hz
+            last = now
+            self._write()
+
+    def __enter__(self) -> FakeLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two engine threads need 2 CPUs")
+def test_an_engine_beside_a_busy_loop_runs_fewer_threads_and_the_same_tokens(llama_dir, tmp_path, monkeypatch):
+    """Another process busy on one of the engine's two CPUs (a fake ``/proc/stat`` the test drives):
+    once a window has seen it, steps run one thread (greedy tokens unchanged); once it ends, two
+    again. Waits for the engine's own figures, for as many calls as it takes."""
     import torch
 
     from batchgen import LLM, SamplingParams
+    from batchgen.cpus import ROOT_ENV, affinity_cpus
 
-    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=256, max_model_len=256, num_threads=2)
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    prompts = ["the cat sat on the mat", "a dog", "fox fox fox"] * 4
-    quiet = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    cpu = max(os.sched_getaffinity(0))
-    loop = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile 1: pass"])
-    try:
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    with FakeLoad(tmp_path, affinity_cpus()) as load:
+        llm = LLM(llama_dir, dtype="float32", num_kv_blocks=256, max_model_len=256, num_threads=2)
+        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        prompts = ["the cat sat on the mat", "a dog", "fox fox fox"] * 4
+        quiet = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["threads_now"] == 2, llm.stats()
+        load.busy.set()
         for _ in range(2000):
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             if llm.stats()["threads_now"] == 1:
@@ -211,11 +261,9 @@ def test_an_engine_beside_a_busy_loop_runs_fewer_threads_and_the_same_tokens(lla
         assert llm.stats()["others_cpus"] > 0.5
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert torch.get_num_threads() == 1 and got == quiet
-    finally:
-        loop.kill()
-        loop.wait()
-    for _ in range(2000):
-        llm.generate(prompts, params, use_tqdm=False)
-        if llm.stats()["threads_now"] == 2:
-            break
-    assert llm.stats()["threads_now"] == 2 and llm.stats()["reduced_threads_s"] > 0, llm.stats()
+        load.busy.clear()
+        for _ in range(2000):
+            llm.generate(prompts, params, use_tqdm=False)
+            if llm.stats()["threads_now"] == 2:
+                break
+        assert llm.stats()["threads_now"] == 2 and llm.stats()["reduced_threads_s"] > 0, llm.stats()

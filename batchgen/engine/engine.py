@@ -1,9 +1,10 @@
 """The engine loop: requests in, one scheduled forward pass per ``step``, finished groups out.
 
 ``step``: schedule -> run the model on the flattened batch -> advance counters and cache full
-blocks -> sample the sequences whose last token was computed (forking ``n > 1`` requests after
-their prompt) -> advance beam groups whose beams all have logits -> check stops, free finished
-sequences -> return the requests that finished.
+blocks -> hand each request kind (``engine/kinds``: sampling, beam search, scoring) the logits of
+its chunks that asked for every position's and of its sequences whose last token was computed
+(the kind samples, steps beams or scores, forks, checks stops and frees finished sequences) ->
+return the requests that finished, each assembled by its kind.
 """
 
 from __future__ import annotations
@@ -268,8 +269,8 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass: schedule, run the model, advance the computed counters, sample and
-        step beams, collect the requests that finished."""
+        """One forward pass: schedule, run the model, advance the computed counters, hand each
+        request kind its rows, collect the requests that finished."""
         t0 = time.perf_counter()
         with self._stats.timed("schedule_s"):
             out = self._schedule()

@@ -377,6 +377,52 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     """The config's schema and rules, every problem listed in one ``ConfigError``. It reads no file
     and no network and sets nothing: what must touch the world (the model resolves, the input is
     there with its columns, the output can be written) is ``job.preflight.check_world``'s."""
+    return draft(data, source_file).config()
+
+
+@dataclass
+class Draft:
+    """A config as far as its sections parsed, with every problem ``validate`` found in it."""
+
+    source_file: str | None
+    problems: list[str]
+    model: str | None
+    input: InputConfig | None
+    output: OutputConfig | None
+    generation: dict[str, Any]
+    engine: dict[str, Any]
+    run: RunConfig
+    ray: RayConfig
+    lora: LoRAConfig
+    task: str
+    storage: storage.StorageOptions
+
+    def error(self, problems: list[str]) -> ConfigError:
+        where = f" {self.source_file!r}" if self.source_file else ""
+        return ConfigError(f"invalid job config{where}:\n  - " + "\n  - ".join(problems))
+
+    def config(self) -> JobConfig:
+        """The validated config; ``ConfigError`` listing the problems when there are any."""
+        if self.problems:
+            raise self.error(self.problems)
+        assert self.model is not None and self.input is not None and self.output is not None  # else a problem
+        return JobConfig(
+            model=self.model,
+            input=self.input,
+            output=self.output,
+            generation=self.generation,
+            engine=self.engine,
+            run=self.run,
+            ray=self.ray,
+            lora=self.lora,
+            task=self.task,
+            source_file=self.source_file,
+            storage=self.storage,
+        )
+
+
+def draft(data: dict[str, Any], source_file: str | None = None) -> Draft:
+    """Every section of ``data`` parsed as far as it goes, and every problem with them (pure)."""
     problems: list[str] = []
     top = {"model", "engine", "input", "generation", "output", "run", "ray", "lora", "task", "storage"}
     for key in data:
@@ -416,27 +462,8 @@ def validate(data: dict[str, Any], source_file: str | None = None) -> JobConfig:
     if out is not None:
         _check_output(out, problems)
     _check_run(run, ray, problems)
-    if problems:
-        raise ConfigError(
-            "invalid job config"
-            + (f" {source_file!r}" if source_file else "")
-            + ":\n  - "
-            + "\n  - ".join(problems)
-        )
-    assert isinstance(model, str) and inp is not None and out is not None  # else a problem was listed
-    return JobConfig(
-        model=model,
-        input=inp,
-        output=out,
-        generation=gen,
-        engine=engine,
-        run=run,
-        ray=ray,
-        lora=lora,
-        task=task,
-        source_file=source_file,
-        storage=store_opts,
-    )
+    return Draft(source_file, problems, model if isinstance(model, str) and model else None, inp, out, gen, engine,
+                 run, ray, lora, task, store_opts)
 
 
 def _check_input(inp: InputConfig, task: str, lora: LoRAConfig, problems: list[str]) -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
 from batchgen import storage
-from batchgen.job.config import ConfigError, InputConfig, JobConfig, parse_config_file, validate
+from batchgen.job.config import Draft, InputConfig, JobConfig, draft, parse_config_file
 from batchgen.job.source import check_readable, column_names, detect_format, input_files, schema_of
 from batchgen.job.store import open_store
 from batchgen.model.hub import is_hub_id, local_dir
@@ -20,18 +21,31 @@ from batchgen.model.loader import tokenizer_problem
 
 
 def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> JobConfig:
-    """The job config of file ``path`` with ``--set`` overrides: validated, then checked against
-    the world (``check_world``)."""
-    cfg = validate(parse_config_file(path, sets), source_file=str(Path(path)))
-    check_world(cfg)
-    return cfg
+    """The job config of file ``path`` with ``--set`` overrides, validated (``config.validate``)
+    and checked against the world (``check_world``): one ``ConfigError`` lists the problems of both."""
+    parsed = draft(parse_config_file(path, sets), source_file=str(Path(path)))
+    problems = parsed.problems + world_problems(parsed)
+    if problems:
+        raise parsed.error(problems)
+    return parsed.config()
 
 
 def check_world(cfg: JobConfig) -> None:
-    """Set the job's storage options for this process, then check what the config names."""
+    """``ConfigError`` listing what of a validated config does not hold in the world."""
+    parsed = Draft(cfg.source_file, [], cfg.model, cfg.input, cfg.output, cfg.generation, cfg.engine, cfg.run,
+                   cfg.ray, cfg.lora, cfg.task, cfg.storage)
+    problems = world_problems(parsed)
+    if problems:
+        raise parsed.error(problems)
+
+
+def world_problems(cfg: Draft) -> list[str]:
+    """Set the job's storage options for this process, then check what the config names (the
+    sections that parsed: a draft with problems is checked as far as it goes)."""
     storage.use(cfg.storage)
     problems: list[str] = []
-    _check_model(cfg, problems)
+    if cfg.model is not None:
+        _check_model(cfg.model, cfg.engine, problems)
     for name, path in cfg.lora.adapters.items():
         try:
             where = local_dir(path, None, f"lora.adapters.{name}")
@@ -43,16 +57,15 @@ def check_world(cfg: JobConfig) -> None:
                 f"lora.adapters.{name}: {path!r} is not a PEFT adapter directory (no adapter_config.json)"
                 + relative_note(path)
             )
-    _check_input(cfg.input, problems)
-    _check_output(cfg.output.path, problems)
-    if problems:
-        where = f" {cfg.source_file!r}" if cfg.source_file else ""
-        raise ConfigError(f"invalid job config{where}:\n  - " + "\n  - ".join(problems))
+    if cfg.input is not None:
+        _check_input(cfg.input, problems)
+    if cfg.output is not None:
+        _check_output(cfg.output.path, problems)
+    return problems
 
 
-def _check_model(cfg: JobConfig, problems: list[str]) -> None:
+def _check_model(model: str, engine: dict[str, Any], problems: list[str]) -> None:
     """The model (and the tokenizer, when another) resolves to a directory with a tokenizer."""
-    model, engine = cfg.model, cfg.engine
     try:
         model_dir = local_dir(model, engine.get("revision"), "model", engine.get("download_dir"))
     except ValueError as e:

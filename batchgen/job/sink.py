@@ -93,7 +93,7 @@ def _json_line(row: dict[str, Any]) -> str:
 
 class ShardSink:
     """Writes ``PREFIX-NNNNNN.parquet`` (or ``.jsonl`` for the OpenAI response format) shards into an
-    output store (``batchgen/job/store.py``: a local directory or an S3 prefix).
+    output store (``batchgen/job/store/``: a local directory or an S3 prefix).
 
     ``prefix`` is ``part`` for a whole job and ``part-IIIII-of-NNNNN`` for a worker of a sharded
     one, so that the workers of one job never pick the same name. Each sink reads and writes only

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, BeamSearchParams, LoRARequest, SamplingParams
-from batchgen.tiny import make_adapter, make_model
+from batchgen.tiny import make_model
+from scripts.fixtures.models import make_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -110,7 +111,7 @@ def test_adapters_over_a_quantized_model_equal_peft_over_its_dequantized_weights
     """Adapters over a quantized checkpoint (as vLLM serves them over GPTQ / AWQ / compressed-tensors
     models): the projections stay quantized, each row adds its adapter's float delta. The oracle is
     peft over transformers on the dequantized weights; rows of two adapters and the base share a batch."""
-    from batchgen.tiny_quant import quantize_model
+    from scripts.fixtures.quant import quantize_model
 
     quantized, oracle = tmp_path / "q", str(tmp_path / "oracle")
     quantize_model(llama_dir, quantized, fmt, oracle=oracle, **opts)

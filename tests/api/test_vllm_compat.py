@@ -84,6 +84,28 @@ def test_logprobs_are_vllm_logprob_objects(llm, llama_dir):
         assert all(v.decoded_token == tok.decode([t]) for t, v in d.items())
 
 
+def test_printed_outputs_show_the_logprobs_as_vllm_prints_them(llm):
+    """``print(request_output)`` (vLLM's ``llm_engine_example.py`` shows log-probabilities so): the
+    lists of ``{token_id: Logprob(logprob=..., rank=..., decoded_token=...)}`` dicts, None first for
+    the prompt's, built here from the values one by one."""
+    from batchgen import Logprob
+
+    tok = llm.get_tokenizer()
+    prompt = tok("the cat sat")["input_ids"]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1))[0]
+
+    def vllm_dict(d):
+        return {t: Logprob(float(v), v.rank, tok.decode([t])) for t, v in d.items()}
+
+    prompt_lists = [None] + [vllm_dict(d) for d in list(out.prompt_logprobs)[1:]]
+    token_lists = [vllm_dict(d) for d in out.outputs[0].logprobs]
+    assert repr(out.prompt_logprobs) == repr(prompt_lists)
+    assert repr(out.outputs[0].logprobs) == repr(token_lists)
+    printed = str(out)
+    assert f"prompt_logprobs={prompt_lists!r}" in printed and f"logprobs={token_lists!r}" in printed
+    assert "Logprob(logprob=" in printed and "TokenLogprobs(" not in printed
+
+
 @pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=5, num_kv_blocks=6, block_size=8)],
                          ids=["whole", "chunked-and-preempted"])
 def test_prompt_logprobs_match_a_transformers_forward_pass(llama_dir, engine):

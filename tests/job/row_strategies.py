@@ -1,7 +1,7 @@
 """Hypothesis strategies for whole job inputs: a dataset in one of the formats a job reads (Parquet,
 Arrow, JSONL, a ``datasets`` ``save_to_disk`` directory, OpenAI batch JSONL) whose rows hold random
 types in the prompt, messages, id and params columns, with the job config that reads it. Shared by
-``tests/job/test_row_path.py`` and ``scripts/fuzz_jobs.py``.
+``tests/job/test_row_path.py`` and ``tests/job/fuzz_jobs.py``.
 
 ``Dataset.write(folder)`` writes the files and returns the job config's ``input`` section and the
 number of rows the job must produce (one per non-blank line, or per record).

@@ -1,4 +1,4 @@
-"""Jobs reading from and writing to object storage: a real S3 server (SeaweedFS, tests/s3server.py)
+"""Jobs reading from and writing to object storage: a real S3 server (SeaweedFS, scripts/fixtures/s3server.py)
 on 127.0.0.1, the real clients (pyarrow's S3 filesystem, boto3) over HTTP, real jobs in processes
 of their own.
 
@@ -333,7 +333,7 @@ def test_credentials_and_permissions_are_refused_before_the_model_loads(tmp_path
 def test_a_public_bucket_is_read_with_storage_anonymous(tmp_path, llama_dir, s3):
     """``storage.anonymous: true``: unsigned requests, which the server allows on its public bucket
     only; the same job without it and without credentials is refused with one line."""
-    from tests.s3server import PUBLIC_BUCKET
+    from scripts.fixtures.s3server import PUBLIC_BUCKET
 
     client = s3.client()
     if PUBLIC_BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:

@@ -4,7 +4,7 @@ and arbitrary text in every column. Each generated dataset runs as a real job, i
 one tiny model loaded once, and again after every other shard was deleted (a rerun after a crash).
 Every input row must come out exactly once (by ``row_index``), as an output row or an error row
 whose message names the field at fault, and the output must read back with the input's columns. The search is seeded (``derandomize``) so CI is deterministic;
-``scripts/fuzz_jobs.py`` runs the same strategies over 100,000 rows and more."""
+``tests/job/fuzz_jobs.py`` runs the same strategies over 100,000 rows and more."""
 
 from __future__ import annotations
 

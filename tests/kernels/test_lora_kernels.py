@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 pytest.importorskip("peft")
 
 from batchgen import LLM, LoRARequest, SamplingParams  # noqa: E402
-from batchgen.tiny import make_adapter  # noqa: E402
 from batchgen_kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: E402
+from scripts.fixtures.models import make_adapter  # noqa: E402
 from tests.api.test_lora import oracle_greedy  # noqa: E402
 from tests.kernels.test_triton_engine import tiny_model  # noqa: E402
 

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from batchgen.model.quant import QuantFormat, QuantLinear  # noqa: E402
-from batchgen.tiny_quant import quantization_config, quantize_weight  # noqa: E402
 from batchgen_kernels.quant_gemm import pack_int4, quant_gemm, quant_gemm_ref  # noqa: E402
+from scripts.fixtures.quant import quantization_config, quantize_weight  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -18,8 +18,8 @@ from batchgen.model import mxfp4
 from batchgen.model.families import SUPPORTED_ARCHITECTURES
 from batchgen.model.loader import ModelLoadError
 from batchgen.tiny import make_model
-from batchgen.tiny_quant import quantize_gpt_oss_mxfp4
 from batchgen_kernels.cpu_gemm import PackedBytes
+from scripts.fixtures.quant import quantize_gpt_oss_mxfp4
 from tests.oracle import hf_greedy, hf_model
 
 _rng = random.Random(9)

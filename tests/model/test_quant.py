@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.model import quant
 from batchgen.tiny import make_model
-from batchgen.tiny_quant import quantize_model
 from batchgen_kernels.cpu_gemm import PackedBytes, amx, amx_int8
+from scripts.fixtures.quant import quantize_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [3, 4, 40, 50], [7, 100, 200, 17]]
@@ -111,7 +111,7 @@ def dequantize(fmt: str, t: dict[str, torch.Tensor], bits: int, v2: bool = False
 @pytest.mark.parametrize("case", case_params(CASES))
 def test_each_writer_round_trips_through_an_independent_dequantizer(case):
     fmt, opts, _ = CASES[case]
-    from batchgen.tiny_quant import quantize_weight
+    from scripts.fixtures.quant import quantize_weight
 
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     tensors, deq = quantize_weight(w, fmt, **opts)
@@ -122,7 +122,7 @@ def test_each_writer_round_trips_through_an_independent_dequantizer(case):
     bound = {4: 1 / 14, 8: 1 / 250}[bits] if fmt not in ("ct-fp8", "fp8") else 1 / 16
     assert (deq - w).abs().max() / w.abs().max() < bound
     # batchgen's reader gives the same weight
-    qfmt = quant.QuantFormat.of(__import__("batchgen.tiny_quant", fromlist=["x"]).quantization_config(fmt, **opts))
+    qfmt = quant.QuantFormat.of(__import__("scripts.fixtures.quant", fromlist=["x"]).quantization_config(fmt, **opts))
     named = {f"p.{k}": v for k, v in tensors.items()}
     qw = qfmt.read(lambda n: named.pop(n), lambda n: n in named, "p")
     assert torch.allclose(qw.dequantize(), deq, atol=1e-6)

@@ -8,7 +8,7 @@ It reports rows in, rows out, rows missing or written twice, error rows grouped 
 values and numbers folded), and job crashes (a job that raised; goal: 0), with the first crashes'
 datasets.
 
-    python scripts/fuzz_jobs.py --rows 100000 [--seed 0] [--work /tmp/fuzz]
+    python -m tests.job.fuzz_jobs --rows 100000 [--seed 0] [--work /tmp/fuzz]
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the strategies live beside the property test that uses them
+from hypothesis import HealthCheck, given, seed, settings
 
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
-
-from batchgen.config import EngineConfig  # noqa: E402
-from batchgen.engine.engine import LLMEngine  # noqa: E402
-from batchgen.tiny import make_model  # noqa: E402
-from tests.job.row_strategies import datasets  # noqa: E402
-from tests.job.test_row_path import ENGINE, run_dataset  # noqa: E402
+from batchgen.config import EngineConfig
+from batchgen.engine.engine import LLMEngine
+from batchgen.tiny import make_model
+from tests.job.row_strategies import datasets
+from tests.job.test_row_path import ENGINE, run_dataset
 
 
 def fold(message: str) -> str:
