@@ -64,6 +64,16 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+def install(wheel: Path, target: Path) -> dict[str, str]:
+    """Install the wheel alone into ``target``; the environment of a process that imports it first."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return {**os.environ, "PYTHONPATH": str(target)}
+
+
 def test_the_wheel_installs_no_top_level_kernels(wheel):
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"batchgen", "batchgen_kernels"}
@@ -74,12 +84,7 @@ def test_the_wheel_installs_no_top_level_kernels(wheel):
 def test_installed_batchgen_beside_hugging_faces_kernels(wheel, llama_dir, tmp_path):
     pytest.importorskip("kernels", reason="Hugging Face's kernels is a test dependency")
     target = tmp_path / "site"
-    res = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = install(wheel, target)
     res = subprocess.run(
         [sys.executable, "-c", CHECK, str(target), llama_dir],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
@@ -96,13 +101,7 @@ def test_the_wheel_ships_no_test_fixtures(wheel):
 
 def test_demo_and_make_model_run_from_the_installed_wheel(wheel, tmp_path):
     """``batchgen make-model`` and ``batchgen demo`` from the wheel alone, outside the checkout."""
-    target = tmp_path / "site"
-    res = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = install(wheel, tmp_path / "site")
     work = tmp_path / "work"
     work.mkdir()
     res = subprocess.run([sys.executable, "-m", "batchgen", "make-model", "m", "--arch", "qwen3"],

@@ -178,8 +178,8 @@ class LLMEngine:
         """Tokenize and validate one request, compile its grammar (cached) and read its LoRA adapter
         (once per adapter). Raises ValueError (naming the problem) on bad input."""
         if type(params) not in self.kinds:
-            names = ", ".join(t.__name__ for t in self.kinds)
-            raise ValueError(f"params must be one of {names}, got {type(params).__name__}")
+            *names, last = (t.__name__ for t in self.kinds)
+            raise ValueError(f"params must be {', '.join(names)} or {last}, got {type(params).__name__}")
         self.add_lora(lora_request)
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
