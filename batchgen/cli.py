@@ -150,8 +150,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     ensure_demo_inputs(Path.cwd())
     config = Path(args.config)
-    if not config.exists():
-        config = Path(__file__).resolve().parent.parent / "jobs" / "demo.yaml"
+    if not config.exists():  # outside a checkout: the job that the package ships
+        config = Path(__file__).resolve().parent / "demo.yaml"
     from batchgen.job.preflight import load_job_config
 
     out_dir = Path(load_job_config(str(config), args.set).output.path)

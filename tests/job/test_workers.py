@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 
 from batchgen.job.store import LocalStore
-from batchgen.job.workers import SHARD_NAME, Worker, merge_reports, nothing_to_do, worker_count, worker_reports
+from batchgen.job.workers import (
+    SHARD_NAME,
+    Worker,
+    merge_reports,
+    nothing_to_do,
+    worker_count,
+    worker_reports,
+)
 
 
 def test_a_workers_files_carry_its_tag_and_name_its_count():
