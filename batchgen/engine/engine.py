@@ -337,7 +337,7 @@ class LLMEngine:
 
     # -- results -------------------------------------------------------------------------------
     def _collect(self, failed: list[SequenceGroup]) -> list[RequestOutput]:
-        done = [self._output(g) for g in self.scheduler.remove_finished()]
+        done = [self.kind(g.params).output(g) for g in self.scheduler.remove_finished()]
         for group in failed:
             done.append(
                 RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, 0, error=group.error)
@@ -352,18 +352,6 @@ class LLMEngine:
         if group is not None:
             self.scheduler.abort(group)
             self.kind(group.params).drop(group)
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        kind = self.kind(group.params)
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            num_cached_tokens=group.num_cached_tokens or 0,
-            outputs=kind.completions(group),
-            prompt_logprobs=kind.prompt_logprobs(group),
-            lora_request=group.lora_request,
-        )
 
     # -- statistics ----------------------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ from batchgen.engine.scheduler import ScheduledSeq, Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.engine.stats import EngineStats
 from batchgen.engine.text import OutputText
-from batchgen.outputs import CompletionOutput, PromptLogprobs
+from batchgen.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from batchgen.params import RequestParams
 
 P = TypeVar("P", bound=RequestParams)
@@ -71,8 +71,8 @@ class EngineParts:
 
 
 class RequestKind(ABC, Generic[P]):
-    """One kind of request, for parameters of type ``params_type``. ``advance`` and ``completions``
-    are each kind's own; the other hooks do nothing unless a kind needs them."""
+    """One kind of request, for parameters of type ``params_type``. ``advance`` and ``output`` are
+    each kind's own; the other hooks do nothing unless a kind needs them."""
 
     params_type: ClassVar[type]
 
@@ -113,12 +113,32 @@ class RequestKind(ABC, Generic[P]):
 
     # -- the output ----------------------------------------------------------------------------
     @abstractmethod
+    def output(self, group: SequenceGroup[P]) -> RequestOutput:
+        """The finished request's output."""
+
+    def stats(self) -> dict[str, int]:
+        """The kind's own counters in ``LLM.stats()``."""
+        return {}
+
+
+class CompletionKind(RequestKind[P]):
+    """A kind whose output is a ``RequestOutput`` of ``CompletionOutput``s (sampling, beam search,
+    scoring)."""
+
+    def output(self, group: SequenceGroup[P]) -> RequestOutput:
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=group.num_cached_tokens or 0,
+            outputs=self.completions(group),
+            prompt_logprobs=self.prompt_logprobs(group),
+            lora_request=group.lora_request,
+        )
+
+    @abstractmethod
     def completions(self, group: SequenceGroup[P]) -> list[CompletionOutput]:
         """The finished request's completions, in the order ``RequestOutput.outputs`` lists them."""
 
     def prompt_logprobs(self, group: SequenceGroup[P]) -> PromptLogprobs | None:
         return None
-
-    def stats(self) -> dict[str, int]:
-        """The kind's own counters in ``LLM.stats()``."""
-        return {}

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from batchgen.engine.beam import BeamChoice, BeamState, beam_step
-from batchgen.engine.kinds.base import EngineParts, RequestKind
+from batchgen.engine.kinds.base import CompletionKind, EngineParts
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.outputs import CompletionOutput
 from batchgen.params import BeamSearchParams
 
 
-class BeamKind(RequestKind[BeamSearchParams]):
+class BeamKind(CompletionKind[BeamSearchParams]):
     params_type = BeamSearchParams
 
     def __init__(self, parts: EngineParts) -> None:

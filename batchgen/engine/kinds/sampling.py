@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.kinds.base import RequestKind
+from batchgen.engine.kinds.base import CompletionKind
 from batchgen.engine.sampler import SampleRow, sample, target_logprobs
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sequence, SequenceGroup
@@ -20,7 +20,7 @@ from batchgen.outputs import CompletionOutput, LogprobsBuilder, PromptLogprobs
 from batchgen.params import SamplingParams
 
 
-class SamplingKind(RequestKind[SamplingParams]):
+class SamplingKind(CompletionKind[SamplingParams]):
     params_type = SamplingParams
 
     def private_prefix(self, params: SamplingParams) -> bool:

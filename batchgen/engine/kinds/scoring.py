@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.kinds.base import RequestKind
+from batchgen.engine.kinds.base import CompletionKind
 from batchgen.engine.sampler import target_logprobs
 from batchgen.engine.scheduler import ScheduledSeq
 from batchgen.engine.sequence import Sequence, SequenceGroup
@@ -23,7 +23,7 @@ from batchgen.params import ScoreParams
 COUNTERS = ("scored_continuations", "score_prompt_tokens_computed", "score_continuation_tokens_computed")
 
 
-class ScoreKind(RequestKind[ScoreParams]):
+class ScoreKind(CompletionKind[ScoreParams]):
     params_type = ScoreParams
 
     def validate(self, token_ids: list[int], params: ScoreParams) -> None:
