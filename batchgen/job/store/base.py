@@ -75,44 +75,36 @@ class OutputStore(Protocol):
 
     def files(self, folder: str = "") -> list[str]:
         """The names of the objects directly in ``folder``, sorted."""
-        ...
 
     def read(self, name: str) -> bytes | None:
         """The object's bytes, or None when there is none."""
-        ...
 
     def write(self, name: str, data: bytes, gate: CommitGate | None = None) -> None:
         """Write the object whole (inside ``gate``'s commit when given)."""
-        ...
 
-    def delete(self, name: str) -> None: ...
+    def delete(self, name: str) -> None:
+        """Remove the object (nothing when there is none)."""
 
     def exists(self) -> bool:
         """Whether the output holds anything yet."""
-        ...
 
     def remove_folders(self) -> None:
         """Remove the folders a user put in the output (``--overwrite``); the bookkeeping stays."""
-        ...
 
     def clean_temp(self, prefix: str, folder: str = "") -> None:
         """Remove what a crashed write of objects named ``prefix*`` left behind."""
-        ...
 
     def open_input(self, name: str) -> Any:
         """The object as a file to read from (a path, or a random-access file)."""
-        ...
 
     def hold(self, shard: tuple[int, int] | None) -> Holding:
         """The writer's hold on the output (``shard``: this worker's index and count)."""
-        ...
 
     def hold_for_workers(self) -> Holding:
         """The hold of the parent of a local job's workers."""
-        ...
 
-    def commit_gate(self) -> CommitGate: ...
+    def commit_gate(self) -> CommitGate:
+        """The output's commit gate (``CommitGate``)."""
 
     def check_writable(self) -> None:
         """Raise ``StorageError`` naming the problem unless the output can be written."""
-        ...
