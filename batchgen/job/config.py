@@ -401,6 +401,12 @@ class Draft:
         where = f" {self.source_file!r}" if self.source_file else ""
         return ConfigError(f"invalid job config{where}:\n  - " + "\n  - ".join(problems))
 
+    @classmethod
+    def of(cls, cfg: JobConfig) -> Draft:
+        """A validated config as a draft without problems."""
+        return cls(cfg.source_file, [], cfg.model, cfg.input, cfg.output, cfg.generation, cfg.engine, cfg.run,
+                   cfg.ray, cfg.lora, cfg.task, cfg.storage)
+
     def config(self) -> JobConfig:
         """The validated config; ``ConfigError`` listing the problems when there are any."""
         if self.problems:

@@ -32,8 +32,7 @@ def load_job_config(path: str | os.PathLike, sets: list[str] | None = None) -> J
 
 def check_world(cfg: JobConfig) -> None:
     """``ConfigError`` listing what of a validated config does not hold in the world."""
-    parsed = Draft(cfg.source_file, [], cfg.model, cfg.input, cfg.output, cfg.generation, cfg.engine, cfg.run,
-                   cfg.ray, cfg.lora, cfg.task, cfg.storage)
+    parsed = Draft.of(cfg)
     problems = world_problems(parsed)
     if problems:
         raise parsed.error(problems)
@@ -132,18 +131,10 @@ def _check_input(inp: InputConfig, problems: list[str]) -> None:
 
 def _check_output(path: str, problems: list[str]) -> None:
     """A local output is a directory or can be made one; a bucket exists and may be listed."""
-    if storage.scheme(path) is None:
-        p = Path(storage.local_path(path))
-        for candidate in (p, *p.parents):
-            if candidate.exists():
-                if not candidate.is_dir():
-                    problems.append(f"output.path: {str(candidate)!r} is not a directory{relative_note(path)}")
-                return
-        return
     try:
         open_store(path).check_writable()
     except (storage.StorageError, ValueError) as e:
-        problems.append(f"output.path: {e}")
+        problems.append(f"output.path: {e}{relative_note(path)}")
 
 
 def relative_note(path: str) -> str:

@@ -53,7 +53,6 @@ from batchgen.job.store import ShardDropped, open_store
 from batchgen.job.workers import RAY_SHARD_PREFIX
 from batchgen.storage import StorageOptions
 
-SHARD_PREFIX = RAY_SHARD_PREFIX
 READ_TASKS = 2  # read tasks at once: they run ahead of the replicas by Ray Data's backpressure
 _UNIT_SCHEMA = pa.schema(
     [("_unit", pa.int64()), ("_unit_rows", pa.int64()), ("_position", pa.int64()), ("_row", pa.binary())]
@@ -105,7 +104,7 @@ class JobReplica(EngineReplica):
         out_fmt = "parquet" if cfg.output.format == "parquet" else "openai"
         storage.use(cfg.storage)
         store = open_store(cfg.output.path)
-        self.sink = ShardSink(store, out_fmt, id_key, prefix=SHARD_PREFIX, clean=False, gate=store.commit_gate(),
+        self.sink = ShardSink(store, out_fmt, id_key, prefix=RAY_SHARD_PREFIX, clean=False, gate=store.commit_gate(),
                               output_fields=cfg.output_fields())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -139,7 +138,7 @@ class JobReplica(EngineReplica):
             summaries.append(
                 {
                     "unit": unit,
-                    "shard": f"{SHARD_PREFIX}-{unit:06d}",
+                    "shard": f"{RAY_SHARD_PREFIX}-{unit:06d}",
                     "rows": len(out_rows),
                     "rows_failed": failed,
                     "prompt_tokens": sum(len(r.token_ids or []) for r in requests if r.error is None),
@@ -236,14 +235,14 @@ class RayJobRunner(JobRunner):
 
     def __init__(self, cfg: JobConfig, overwrite: bool = False, engine: LLMEngine | None = None) -> None:
         super().__init__(cfg, overwrite)  # the replicas load their own engines: ``engine`` is unused
-        self.shard_prefix = SHARD_PREFIX
+        self.shard_prefix = RAY_SHARD_PREFIX
 
     def run(self) -> JobReport:
         with self.store.hold(None), StopSignals() as signals:
             return self._run_ray(signals)
 
     def _units(self, total: int, sink: ShardSink) -> list[int]:
-        have = re.compile(rf"^{SHARD_PREFIX}-(\d+)\.")
+        have = re.compile(rf"^{RAY_SHARD_PREFIX}-(\d+)\.")
         done = {int(m.group(1)) for m in map(have.match, sink.shard_rows()) if m}
         return [u for u in range(math.ceil(total / self.cfg.ray.batch_rows)) if u not in done]
 

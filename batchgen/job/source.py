@@ -66,13 +66,9 @@ def detect_format(inp: InputConfig, files: list[str]) -> str:
 
 def _jsonl_kind(path: str) -> str:
     """``openai`` when a JSON Lines file's first line is a batch request (``custom_id`` + ``body``)."""
-    fs, inner = storage.filesystem(path) if storage.is_uri(path) else (None, path)
-    if fs is None:
-        with open(inner, "rb") as f:
-            head = f.read(1 << 20)
-    else:
-        with fs.open_input_stream(inner) as f:
-            head = f.read(1 << 20)
+    fs, inner = storage.filesystem(path)
+    with fs.open_input_stream(inner) as f:
+        head = f.read(1 << 20)
     first_line = head.split(b"\n", 1)[0].decode("utf-8", errors="replace")
     try:
         obj = json.loads(first_line) if first_line.strip() else {}

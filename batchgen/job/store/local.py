@@ -85,7 +85,13 @@ class LocalStore:
         return DirectoryGate(self.root / BOOKKEEPING_DIR)
 
     def check_writable(self) -> None:
-        """A directory is checked when the job takes its lock (``OutputWriteError`` naming it)."""
+        """``StorageError`` when the directory, or the nearest existing folder above it, is a file
+        (the rest is checked when the job takes its lock: ``OutputWriteError`` naming it)."""
+        for candidate in (self.root, *self.root.parents):
+            if candidate.exists():
+                if not candidate.is_dir():
+                    raise storage.StorageError(f"{str(candidate)!r} is not a directory")
+                return
 
 
 class OutputLock:
